@@ -1,0 +1,147 @@
+// The engine: sits in llama.cpp's decode path for one sequence of one llama_context. It captures each new token's
+// post-RoPE K and V through the eval callback, scores the token once, records it in the ledger, and evicts cells
+// with llama_memory_seq_rm so that the cells in use never exceed the budget.
+//
+// The caller (kvp_cpp.Llama) drives it around every llama_decode:
+//     first_pos = engine.begin_batch(n_logical, n);   // evicts / compacts as needed
+//     llama_decode(batch with positions first_pos ..) // the callback scores the tokens
+//     engine.end_batch();                             // or abort_batch() if decode failed
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvp/evictor.h"
+#include "kvp/format.h"
+#include "kvp/ledger.h"
+#include "kvp/policy.h"
+
+struct ggml_tensor;
+struct llama_context;
+struct llama_model;
+
+namespace kvp {
+
+enum class PositionMode {
+    original,  // a token keeps its position forever
+    compact,   // positions are shifted down over evicted gaps, lazily, when the next one would pass compact_limit
+};
+PositionMode position_mode_from_name(const std::string& name);  // throws std::invalid_argument
+const char* position_mode_name(PositionMode mode);
+
+struct EngineConfig {
+    int64_t budget = 0;            // cells this sequence may hold
+    Protection protection;         // first n_sink and last n_recent tokens stay
+    PositionMode position_mode = PositionMode::compact;
+    double evict_fraction = 0.0625;  // a full cache sheds at least this fraction of the budget at once
+    HeadCombine combine = HeadCombine::sum_softmax;
+    int64_t compact_limit = 0;     // positions stay below this in compact mode; 0 = the model's n_ctx_train
+    int64_t evicting_chunk = 0;    // prefill chunk once the cache is full; 0 = budget / 4
+    int32_t seq_id = 0;
+};
+
+struct EngineStats {
+    int64_t cells_used = 0;
+    int64_t budget = 0;
+    int64_t tokens_seen = 0;
+    int64_t tokens_evicted = 0;
+    int64_t eviction_rounds = 0;
+    int64_t compactions = 0;
+    int64_t seq_add_calls = 0;
+    int64_t seq_rm_calls = 0;
+    int64_t captured_tensors = 0;
+    int64_t next_position = 0;
+    double callback_seconds = 0;  // inside the eval callback for captured tensors (copy + score + bookkeeping)
+    double copy_seconds = 0;      // copying K/V out of the graph
+    double score_seconds = 0;     // running the policy on captured K/V
+    double evict_seconds = 0;     // choosing victims, seq_rm and compaction
+};
+
+// What a GGUF model is, as far as a policy is concerned.
+ModelIdentity model_identity(const llama_model* model);
+
+class Engine {
+public:
+    Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy, const EngineConfig& config);
+    ~Engine();
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+
+    // The ggml_backend_sched_eval_callback to put in llama_context_params.cb_eval, with `this` as user data.
+    // Null when the policy needs no capture (then no callback is installed and decoding runs at full speed).
+    static bool eval_callback(ggml_tensor* tensor, bool ask, void* user_data);
+    bool needs_callback() const { return !capture_layer_.empty(); }
+
+    // Binds the engine to the context it sits in (created with the callback above). Clears the sequence.
+    void attach(llama_context* ctx);
+    void detach() { ctx_ = nullptr; }
+    bool attached() const { return ctx_ != nullptr; }
+
+    const EngineConfig& config() const { return config_; }
+    const EvictionPolicy& policy() const { return *policy_; }
+    const ModelIdentity& identity() const { return identity_; }
+    const Ledger& ledger() const { return ledger_; }
+    int64_t logical_length() const { return next_logical_; }
+
+    // The most tokens one llama_decode may carry once the cache is full: the budget less the protected tokens.
+    int64_t max_batch() const;
+
+    // How many of `remaining` tokens the next llama_decode should carry. While they fit without eviction this is
+    // min(n_batch, remaining), the split llama-cpp-python uses; once eviction is needed, chunks are capped at
+    // evicting_chunk so that each round chooses among most of the cache, not only the few unprotected tokens
+    // that a budget-sized chunk would leave.
+    int64_t next_batch_size(int64_t remaining, int64_t n_batch) const;
+
+    // Makes room for n new tokens whose logical indices start at logical_length(), then records them.
+    // Returns the cache position of the first one.
+    int64_t begin_batch(int n);
+    void end_batch();
+    void abort_batch();
+
+    // Forgets the tokens with logical index >= n_logical, if the cache still holds every token before it.
+    // Returns false, changing nothing, if tokens of that prefix were evicted (the caller must re-prefill).
+    bool truncate(int64_t n_logical);
+    // Forgets everything and clears the sequence's cells.
+    void reset();
+
+    EngineStats stats() const;
+
+    // Ledger + counters, for save_state/load_state. restore() expects the KV cells to be restored separately.
+    std::vector<uint8_t> save() const;
+    void restore(const uint8_t* data, size_t size);
+
+private:
+    struct LayerCapture {
+        std::vector<uint8_t> k, v;  // raw copies of the captured tensors (grow to the largest ubatch once)
+        HeadTokenView k_view, v_view;
+        bool have_k = false, have_v = false;
+        int64_t rows_done = 0;
+    };
+
+    bool wants(const ggml_tensor* t, char* kind, int* layer) const;
+    void on_tensor(const ggml_tensor* t, char kind, int layer);
+    void evict(size_t n_evict);
+    void compact();
+    void remove_cells(const std::vector<int64_t>& sorted_positions);
+    void discard_from(size_t ledger_index);
+    void require_attached() const;
+
+    EngineConfig config_;
+    ModelIdentity identity_;
+    std::unique_ptr<EvictionPolicy> policy_;
+    llama_context* ctx_ = nullptr;
+    Ledger ledger_;
+    std::vector<int> capture_layer_;        // per model layer: 1 if captured
+    std::vector<LayerCapture> captures_;    // per model layer
+    int64_t next_logical_ = 0;
+    size_t pending_begin_ = 0;
+    int64_t pending_n_ = 0;
+    bool in_batch_ = false;
+    std::string capture_error_;
+    EngineStats stats_;
+};
+
+}  // namespace kvp

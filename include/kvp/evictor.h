@@ -1,0 +1,40 @@
+// The evictor, shared by every policy: protected tokens, combining per-head scores into one keep-score per token
+// (llama.cpp's cells are shared by all heads), and choosing which tokens leave.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvp/ledger.h"
+
+namespace kvp {
+
+enum class HeadCombine {
+    sum_softmax,  // sum over columns of each column's softmax over the candidates (default)
+    max_softmax,  // max over columns of the same softmax
+    mean,         // mean raw score
+    mean_rank,    // mean per-column rank (scale-free)
+};
+
+HeadCombine head_combine_from_name(const std::string& name);  // throws std::invalid_argument
+const char* head_combine_name(HeadCombine combine);
+
+struct Protection {
+    uint32_t n_sink = 4;    // tokens with logical index < n_sink stay
+    uint32_t n_recent = 16; // the n_recent newest entries stay
+};
+
+// Ledger indices that may be evicted.
+std::vector<size_t> eviction_candidates(const Ledger& ledger, Protection protection);
+
+// One keep-score per candidate (same order as `candidates`).
+std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector<size_t>& candidates,
+                                         HeadCombine combine);
+
+// The n_evict candidates with the lowest keep-score, as ascending ledger indices. Ties go to the older token
+// (smaller logical index), so the order is deterministic. Throws std::logic_error if too few candidates exist.
+std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, size_t n_evict, HeadCombine combine);
+
+}  // namespace kvp

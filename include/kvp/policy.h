@@ -1,0 +1,61 @@
+// Eviction policies: one small interface, one source file per policy, one registry.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvp/format.h"
+#include "kvp/scorer.h"
+
+namespace kvp {
+
+// A policy turns what the hook captured into keep-scores (higher = keep), written once per token into the
+// ledger's score row. A row has n_score_columns() entries: one per (scored layer, KV head) for per-head
+// policies, one for token-level heuristics. The evictor combines the columns into one keep-score per token.
+class EvictionPolicy {
+public:
+    virtual ~EvictionPolicy() = default;
+    virtual std::string name() const = 0;
+    virtual int n_score_columns() const = 0;
+
+    // Protected counts a policy was trained with (kvp.bin records them); heuristics use the defaults.
+    virtual uint32_t default_sink() const { return 4; }
+    virtual uint32_t default_recent() const { return 16; }
+
+    // Layers whose post-RoPE K and V the hook must capture; empty means no eval callback is installed at all.
+    virtual std::vector<int> capture_layers() const { return {}; }
+
+    // Scores that need nothing but the token's logical index and original position, called once per new token
+    // batch before it is decoded. rows[i * row_stride + c] for column c.
+    virtual void score_positions(const int64_t* logical, const int64_t* original_pos, int n, float* rows,
+                                 size_t row_stride) {
+        (void)logical, (void)original_pos, (void)n, (void)rows, (void)row_stride;
+    }
+
+    // Scores from one layer's K and V for the n = k.n_token tokens of a ubatch, called by the hook.
+    virtual void score_kv(int layer, const HeadTokenView& k, const HeadTokenView& v, const int64_t* original_pos,
+                          float* rows, size_t row_stride) {
+        (void)layer, (void)k, (void)v, (void)original_pos, (void)rows, (void)row_stride;
+    }
+};
+
+struct PolicyOptions {
+    uint64_t seed = 0;       // for `random`
+    std::string kernel = "auto";
+    int n_threads = 0;
+};
+
+// Names of the built-in policies (a path to a .kvp.bin file is accepted by make_policy too).
+std::vector<std::string> builtin_policy_names();
+
+// A built-in name, or a path to a kvp.bin file checked against `model`. Throws std::invalid_argument for an
+// unknown name and FormatError for a bad or mismatched file.
+std::unique_ptr<EvictionPolicy> make_policy(const std::string& name_or_path, const ModelIdentity& model,
+                                            const PolicyOptions& options);
+
+// The learned policy, from an already loaded file.
+std::unique_ptr<EvictionPolicy> make_learned_policy(std::shared_ptr<const Policy> file, const PolicyOptions& options);
+
+}  // namespace kvp

@@ -1,0 +1,27 @@
+"""kvp-cpp: learned KV-cache eviction (KV Policy) for llama.cpp."""
+from __future__ import annotations
+
+# llama_cpp must be imported before the extension: it loads libllama/libggml (ctypes, RTLD_LOCAL) from
+# llama_cpp/lib, and the extension then binds to that same copy by SONAME instead of loading a second one.
+import llama_cpp as _llama_cpp  # noqa: F401  (import order matters)
+
+from . import _core
+from ._core import PolicyFormatError, Scorer, available_kernels, load_policy, parse_policy, selected_kernel
+from ._paths import default_model_path
+from .llama import KvpLlamaState, Llama, builtin_policies, model_identity
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KvpLlamaState",
+    "Llama",
+    "builtin_policies",
+    "PolicyFormatError",
+    "Scorer",
+    "available_kernels",
+    "default_model_path",
+    "load_policy",
+    "model_identity",
+    "parse_policy",
+    "selected_kernel",
+]

@@ -1,0 +1,315 @@
+"""``kvp_cpp.Llama``: llama-cpp-python's ``Llama`` with a KV cache held to a fixed budget by an eviction policy.
+
+With ``kv_policy=None`` the class is exactly ``llama_cpp.Llama``. With a policy, the cache never holds more than
+``kv_budget`` cells of the sequence, whatever the prompt or conversation length; the policy decides which tokens
+leave. ``n_tokens``/``input_ids`` keep the whole *logical* history (every token ever evaluated), while the engine's
+ledger maps the tokens still cached to their cache positions.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+import llama_cpp
+from llama_cpp import _internals as internals
+
+from . import _core
+
+#: Logical tokens (everything ever evaluated in the sequence) a policy-driven Llama accepts by default. Only
+#: ``input_ids`` (4 bytes per token) grows with it; the KV cache stays at the budget.
+DEFAULT_MAX_TOKENS = 1 << 20
+
+POSITION_MODES = ("compact", "original")
+HEAD_COMBINES = ("sum_softmax", "max_softmax", "mean", "mean_rank")
+
+
+def _address(pointer) -> int:
+    """The integer address behind a ctypes pointer (what the native engine takes)."""
+    address = ctypes.cast(pointer, ctypes.c_void_p).value
+    if not address:
+        raise RuntimeError("null llama.cpp handle (was this Llama closed?)")
+    return address
+
+
+def model_identity(model_path: str) -> Dict[str, Any]:
+    """What a policy must match in a GGUF model: arch, n_layer, n_head_kv, head dims, n_ctx_train."""
+    # A vocab-only model has no hyperparameters to ask; loading the weights is an mmap and no context is created.
+    model = internals.LlamaModel(path_model=model_path, params=llama_cpp.llama_model_default_params(), verbose=False)
+    try:
+        return dict(_core.model_identity(_address(model.model)))
+    finally:
+        model.close()
+
+
+def builtin_policies() -> list:
+    """Names accepted by ``kv_policy`` besides a path to a ``.kvp.bin`` file."""
+    return list(_core.builtin_policies())
+
+
+class KvpLlamaState(llama_cpp.LlamaState):
+    """``LlamaState`` plus the eviction engine's ledger, so a restored state knows which tokens are cached where."""
+
+    def __init__(self, *args, kv_engine_state: bytes, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kv_engine_state = kv_engine_state
+
+
+class _EvictingContext(internals.LlamaContext):
+    """The context of a policy-driven Llama.
+
+    ``llama_cpp.Llama`` removes "every token from logical index p0 on" with ``kv_cache_seq_rm(-1, p0, -1)``, using
+    the logical index as a cache position. Here that request goes to the engine, which knows where each cached token
+    lives, and refuses (returns False) when part of the kept prefix was already evicted: ``generate()`` then resets
+    and re-prefills under the budget instead of reusing a cache that no longer holds the prefix.
+    """
+
+    def __init__(self, engine: "_core.Engine", **kwargs):
+        super().__init__(**kwargs)
+        self.kvp_engine = engine
+
+    def kv_cache_seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        if seq_id not in (-1, 0) or p1 >= 0:
+            raise ValueError("a policy-driven context only supports removing a suffix of sequence 0")
+        return self.kvp_engine.truncate(max(p0, 0))
+
+    def kv_cache_clear(self):
+        self.kvp_engine.reset()
+
+
+class Llama(llama_cpp.Llama):
+    """A drop-in ``llama_cpp.Llama`` whose KV cache is bounded by an eviction policy.
+
+    Extra arguments (all keyword-only):
+
+    - ``kv_policy``: ``None`` (plain llama.cpp), a built-in name (see ``builtin_policies()``) or a path to a
+      ``.kvp.bin`` file trained for this model.
+    - ``kv_budget``: cells the sequence may hold, in tokens; defaults to ``n_ctx``. The context is allocated for
+      exactly this budget (llama.cpp rounds it up to a multiple of 256).
+    - ``kv_sink`` / ``kv_recent``: the first and the last tokens that are never evicted (defaults: the policy
+      file's, else 4 and 16). ``kv_recent`` >= 1, since a batch must follow the newest cached position.
+    - ``kv_position_mode``: ``"compact"`` (default) shifts positions down over evicted gaps, lazily, only when the
+      next position would reach the model's training context; ``"original"`` keeps every token's position.
+    - ``kv_evict_fraction``: a full cache sheds at least this fraction of the budget at once (default 1/16).
+    - ``kv_head_combine``: how per-head scores become one keep-score per token (cells are shared by all heads):
+      ``"sum_softmax"`` (default), ``"max_softmax"``, ``"mean"``, ``"mean_rank"``.
+    - ``kv_compact_limit``: in compact mode, positions stay below this (default 0: the model's n_ctx_train).
+    - ``kv_seed``: seed of the ``random`` policy. ``kv_max_tokens``: the logical length limit (default 2**20).
+    - ``kv_kernel`` / ``kv_threads``: scorer kernel (``"auto"`` or a name from ``available_kernels()``) and threads.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        kv_policy: Optional[str] = None,
+        kv_budget: Optional[int] = None,
+        kv_sink: Optional[int] = None,
+        kv_recent: Optional[int] = None,
+        kv_position_mode: str = "compact",
+        kv_evict_fraction: float = 0.0625,
+        kv_head_combine: str = "sum_softmax",
+        kv_seed: int = 0,
+        kv_compact_limit: int = 0,
+        kv_max_tokens: int = DEFAULT_MAX_TOKENS,
+        kv_kernel: str = "auto",
+        kv_threads: int = 0,
+        **kwargs: Any,
+    ):
+        self._kvp_engine: Optional[_core.Engine] = None
+        self._kvp_args = dict(
+            kv_policy=kv_policy, kv_budget=kv_budget, kv_sink=kv_sink, kv_recent=kv_recent,
+            kv_position_mode=kv_position_mode, kv_evict_fraction=kv_evict_fraction, kv_head_combine=kv_head_combine,
+            kv_seed=kv_seed, kv_compact_limit=kv_compact_limit, kv_max_tokens=kv_max_tokens, kv_kernel=kv_kernel, kv_threads=kv_threads,
+        )
+        if kv_policy is None:
+            super().__init__(model_path, **kwargs)
+            return
+
+        self._check_kv_arguments(kwargs)
+        super().__init__(model_path, **kwargs)
+
+        budget = kv_budget if kv_budget is not None else self.context_params.n_ctx
+        engine = _core.Engine(
+            _address(self._model.model), os.fspath(kv_policy), int(budget),
+            n_sink=-1 if kv_sink is None else int(kv_sink), n_recent=-1 if kv_recent is None else int(kv_recent),
+            position_mode=kv_position_mode, evict_fraction=float(kv_evict_fraction), combine=kv_head_combine,
+            compact_limit=int(kv_compact_limit), seed=int(kv_seed), kernel=kv_kernel, n_threads=int(kv_threads),
+        )
+        self._recreate_context(engine, int(budget))
+        self._kvp_engine = engine
+        self._n_ctx = int(kv_max_tokens)
+
+    # --- construction -------------------------------------------------------------------------------------------
+
+    def _check_kv_arguments(self, kwargs: Dict[str, Any]) -> None:
+        """Rejects bad kv_* arguments before the model is loaded. The engine checks the rest (the budget against
+        the policy's protected counts, the policy file against the model) and raises ValueError too."""
+        args = self._kvp_args
+        policy = args["kv_policy"]
+        if not isinstance(policy, (str, os.PathLike)):
+            raise ValueError(f"kv_policy must be a policy name or a path, not {type(policy).__name__}")
+        policy = os.fspath(policy)
+        known = builtin_policies()
+        if policy not in known:
+            if os.path.sep not in policy and "." not in policy:
+                raise ValueError(f"unknown kv_policy '{policy}': use one of {', '.join(known)}, or a .kvp.bin path")
+            if not os.path.isfile(policy):
+                raise ValueError(f"kv_policy file not found: {policy}")
+
+        budget = args["kv_budget"] if args["kv_budget"] is not None else kwargs.get("n_ctx", 512)
+        checked = {"kv_budget": budget, "kv_sink": args["kv_sink"], "kv_recent": args["kv_recent"]}
+        for name, value in checked.items():
+            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        sink = 0 if args["kv_sink"] is None else args["kv_sink"]
+        recent = 1 if args["kv_recent"] is None else args["kv_recent"]
+        if recent < 1:
+            raise ValueError("kv_recent must be >= 1: the newest token can never be evicted")
+        if sink < 0:
+            raise ValueError("kv_sink must be >= 0")
+        if budget < 0 or (budget != 0 and budget < sink + recent + 1):
+            raise ValueError(f"kv_budget {budget} must be at least kv_sink + kv_recent + 1 = {sink + recent + 1}")
+        if budget > (1 << 24):
+            raise ValueError(f"kv_budget {budget} is larger than any KV cache this engine supports (2**24)")
+        if args["kv_position_mode"] not in POSITION_MODES:
+            raise ValueError(f"kv_position_mode must be one of {POSITION_MODES}, got {args['kv_position_mode']!r}")
+        if args["kv_head_combine"] not in HEAD_COMBINES:
+            raise ValueError(f"kv_head_combine must be one of {HEAD_COMBINES}, got {args['kv_head_combine']!r}")
+        if not 0.0 <= float(args["kv_evict_fraction"]) <= 1.0:
+            raise ValueError("kv_evict_fraction must be in [0, 1]")
+        if args["kv_max_tokens"] < 1:
+            raise ValueError("kv_max_tokens must be positive")
+        if kwargs.get("draft_model") is not None:
+            raise ValueError("draft_model (speculative decoding) is not supported together with kv_policy")
+        if kwargs.get("embedding"):
+            raise ValueError("kv_policy applies to generation; it cannot be combined with embedding=True")
+
+    def _recreate_context(self, engine: "_core.Engine", budget: int) -> None:
+        """Re-creates the context with the engine's eval callback and an n_ctx sized to the budget.
+
+        llama.h has no setter for the eval callback: it must be in the params before the context exists, and
+        ``llama_cpp.Llama.__init__`` creates its context inline.
+        """
+        self._ctx.close()
+        params = self.context_params
+        params.n_ctx = budget
+        if engine.callback_address:
+            params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(engine.callback_address)
+            params.cb_eval_user_data = ctypes.c_void_p(engine.address)
+        self._ctx = self._stack.enter_context(
+            contextlib.closing(_EvictingContext(engine, model=self._model, params=params, verbose=self.verbose))
+        )
+        # The context holds a raw pointer to the engine: detach before the context is freed (ExitStack is LIFO).
+        self._stack.callback(engine.detach)
+        if self._lora_adapter is not None:
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self._lora_adapter)
+            scales = (ctypes.c_float * 1)(self.lora_scale)
+            if llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, 1, scales):
+                raise RuntimeError(f"Failed to set LoRA adapter from lora path: {self.lora_path}")
+        engine.attach(_address(self._ctx.ctx))
+
+    # --- the decode path ----------------------------------------------------------------------------------------
+
+    def eval(self, tokens: Sequence[int]):
+        engine = self._kvp_engine
+        if engine is None:
+            return super().eval(tokens)
+        tokens = list(tokens)
+        if not engine.truncate(self.n_tokens):
+            # Part of the kept prefix was evicted: replay the logical history under the budget.
+            tokens = self.input_ids[: self.n_tokens].tolist() + tokens
+            engine.reset()
+            self.n_tokens = 0
+        self._reserve_logical(self.n_tokens + len(tokens))
+        start = 0
+        while start < len(tokens):
+            batch = tokens[start : start + engine.next_batch_size(len(tokens) - start, self.n_batch)]
+            start += len(batch)
+            n_past, n = self.n_tokens, len(batch)
+            first_position = engine.begin_batch(n)
+            try:
+                self._batch.set_batch(batch=batch, n_past=first_position, logits_all=self._logits_all)
+                self._ctx.decode(self._batch)
+            except BaseException:
+                engine.abort_batch()
+                raise
+            engine.end_batch()
+            self.input_ids[n_past : n_past + n] = batch
+            if self._logits_all:
+                logits = np.ctypeslib.as_array(self._ctx.get_logits(), shape=(n * self._n_vocab,))
+                self.scores[n_past : n_past + n, :].reshape(-1)[::] = logits
+            self.n_tokens += n
+            self._requires_eval = False
+
+    def _reserve_logical(self, length: int) -> None:
+        if length > self._n_ctx:
+            raise ValueError(
+                f"Requested tokens ({length}) exceed the logical limit kv_max_tokens={self._n_ctx} of this Llama"
+            )
+        if self._logits_all and length > self.scores.shape[0]:
+            raise ValueError(
+                f"logits_all keeps one logits row per token and is limited to n_ctx={self.scores.shape[0]} tokens; "
+                f"requested {length}"
+            )
+        if length > self.input_ids.shape[0]:
+            grown = np.zeros(max(length, 2 * self.input_ids.shape[0]), dtype=np.intc)
+            grown[: self.n_tokens] = self.input_ids[: self.n_tokens]
+            self.input_ids = grown
+
+    def reset(self):
+        super().reset()
+        if self._kvp_engine is not None:
+            self._kvp_engine.reset()
+
+    # --- state --------------------------------------------------------------------------------------------------
+
+    def save_state(self) -> llama_cpp.LlamaState:
+        state = super().save_state()
+        if self._kvp_engine is None:
+            return state
+        return KvpLlamaState(
+            input_ids=state.input_ids, scores=state.scores, n_tokens=state.n_tokens, llama_state=state.llama_state,
+            llama_state_size=state.llama_state_size, seed=state.seed, kv_engine_state=self._kvp_engine.save(),
+        )
+
+    def load_state(self, state: llama_cpp.LlamaState) -> None:
+        if self._kvp_engine is not None and not isinstance(state, KvpLlamaState):
+            raise ValueError("this state was saved without a kv_policy; it cannot be loaded into a policy-driven Llama")
+        super().load_state(state)
+        if self._kvp_engine is not None:
+            self._kvp_engine.restore(state.kv_engine_state)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.update(self._kvp_args)
+        return state
+
+    def close(self) -> None:
+        # __init__ may fail (bad kv_* arguments) before llama_cpp.Llama has built its exit stack.
+        if getattr(self, "_stack", None) is not None:
+            super().close()
+
+    # --- introspection ------------------------------------------------------------------------------------------
+
+    @property
+    def kv_engine(self) -> Optional["_core.Engine"]:
+        return self._kvp_engine
+
+    def kv_stats(self) -> Dict[str, Any]:
+        """Cells in use, budget, KV bytes allocated, tokens seen and evicted, and where the engine's time went."""
+        if self._kvp_engine is None:
+            raise ValueError("kv_stats() needs a kv_policy")
+        if self._ctx is None or self._ctx.ctx is None:
+            raise RuntimeError("this Llama is closed")
+        stats = dict(self._kvp_engine.stats())
+        stats["policy"] = self._kvp_engine.policy_name
+        stats["n_ctx_cells"] = int(llama_cpp.llama_n_ctx(self._ctx.ctx))
+        stats["kv_bytes_allocated"] = int(
+            _core.kv_cache_bytes(_address(self._model.model), stats["n_ctx_cells"], self.context_params.type_k,
+                                 self.context_params.type_v)
+        )
+        stats["logical_tokens"] = self.n_tokens
+        return stats

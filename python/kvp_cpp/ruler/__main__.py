@@ -1,0 +1,3 @@
+from kvp_cpp.ruler.cli import main
+
+raise SystemExit(main())

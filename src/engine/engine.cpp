@@ -1,0 +1,376 @@
+#include "kvp/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "llama.h"
+
+namespace kvp {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string model_meta(const llama_model* model, const std::string& key) {
+    char buf[256];
+    const int32_t n = llama_model_meta_val_str(model, key.c_str(), buf, sizeof buf);
+    return n < 0 ? std::string() : std::string(buf);
+}
+
+uint32_t meta_uint_or(const llama_model* model, const std::string& key, uint32_t fallback) {
+    const std::string value = model_meta(model, key);
+    if (value.empty()) return fallback;
+    try {
+        return uint32_t(std::stoul(value));
+    } catch (const std::exception&) {
+        return fallback;
+    }
+}
+
+// "Kcur-12" -> 12; -1 for anything else ("Kcur-12 (view)", "Kcur-x").
+int parse_layer_suffix(const char* digits) {
+    if (*digits == '\0') return -1;
+    int layer = 0;
+    for (const char* c = digits; *c; ++c) {
+        if (*c < '0' || *c > '9' || layer > 100000) return -1;
+        layer = layer * 10 + (*c - '0');
+    }
+    return layer;
+}
+
+}  // namespace
+
+PositionMode position_mode_from_name(const std::string& name) {
+    if (name == "original") return PositionMode::original;
+    if (name == "compact") return PositionMode::compact;
+    throw std::invalid_argument("unknown position mode '" + name + "' (original, compact)");
+}
+
+const char* position_mode_name(PositionMode mode) {
+    return mode == PositionMode::original ? "original" : "compact";
+}
+
+ModelIdentity model_identity(const llama_model* model) {
+    ModelIdentity id;
+    id.arch = model_meta(model, "general.architecture");
+    id.n_layer = uint32_t(llama_model_n_layer(model));
+    id.n_head_kv = uint32_t(llama_model_n_head_kv(model));
+    const uint32_t n_head = uint32_t(std::max(1, llama_model_n_head(model)));
+    const uint32_t head_dim = uint32_t(llama_model_n_embd(model)) / n_head;
+    id.head_dim_k = meta_uint_or(model, id.arch + ".attention.key_length", head_dim);
+    id.head_dim_v = meta_uint_or(model, id.arch + ".attention.value_length", head_dim);
+    id.n_ctx_train = uint32_t(llama_model_n_ctx_train(model));
+    return id;
+}
+
+Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy, const EngineConfig& config)
+    : config_(config), identity_(model_identity(model)), policy_(std::move(policy)) {
+    if (!policy_) throw std::invalid_argument("the engine needs a policy");
+    const Protection& protection = config_.protection;
+    if (protection.n_recent < 1)
+        throw std::invalid_argument("kv_recent must be >= 1: the newest token can never be evicted");
+    if (config_.budget < int64_t(protection.n_sink) + protection.n_recent + 1)
+        throw std::invalid_argument("kv_budget " + std::to_string(config_.budget) + " must be at least kv_sink + kv_recent + 1 = " +
+                                    std::to_string(protection.n_sink + protection.n_recent + 1));
+    if (!(config_.evict_fraction >= 0.0 && config_.evict_fraction <= 1.0))
+        throw std::invalid_argument("kv_evict_fraction must be in [0, 1]");
+    if (config_.compact_limit <= 0) config_.compact_limit = identity_.n_ctx_train;
+    if (config_.evicting_chunk <= 0) config_.evicting_chunk = std::max<int64_t>(1, config_.budget / 4);
+    if (config_.position_mode == PositionMode::compact && config_.budget > config_.compact_limit)
+        throw std::invalid_argument("kv_budget " + std::to_string(config_.budget) +
+                                    " exceeds the compact position limit " + std::to_string(config_.compact_limit) +
+                                    " (the model's n_ctx_train); use a smaller budget or kv_position_mode='original'");
+
+    ledger_ = Ledger(policy_->n_score_columns());
+    capture_layer_.assign(identity_.n_layer, 0);
+    bool any = false;
+    for (int layer : policy_->capture_layers()) {
+        if (layer < 0 || uint32_t(layer) >= identity_.n_layer)
+            throw std::invalid_argument("policy asks for layer " + std::to_string(layer) + " of a " +
+                                        std::to_string(identity_.n_layer) + "-layer model");
+        capture_layer_[layer] = 1;
+        any = true;
+    }
+    if (!any) capture_layer_.clear();
+    captures_.resize(identity_.n_layer);
+    stats_.budget = config_.budget;
+}
+
+Engine::~Engine() = default;
+
+void Engine::require_attached() const {
+    if (!ctx_) throw std::logic_error("the engine is not attached to a llama_context (closed?)");
+}
+
+void Engine::attach(llama_context* ctx) {
+    if (!ctx) throw std::invalid_argument("null llama_context");
+    if (int64_t(llama_n_ctx(ctx)) < config_.budget)
+        throw std::invalid_argument("the context has " + std::to_string(llama_n_ctx(ctx)) + " cells, fewer than kv_budget " +
+                                    std::to_string(config_.budget));
+    if (config_.position_mode == PositionMode::compact && !llama_memory_can_shift(llama_get_memory(ctx)))
+        throw std::invalid_argument("this model's KV cache cannot shift positions; use kv_position_mode='original'");
+    ctx_ = ctx;
+    reset();
+}
+
+int64_t Engine::max_batch() const {
+    return config_.budget - int64_t(config_.protection.n_sink) - int64_t(config_.protection.n_recent);
+}
+
+int64_t Engine::next_batch_size(int64_t remaining, int64_t n_batch) const {
+    const int64_t natural = std::min(std::max<int64_t>(n_batch, 1), remaining);
+    if (int64_t(ledger_.size()) + natural <= config_.budget) return natural;
+    return std::min({natural, config_.evicting_chunk, max_batch()});
+}
+
+// --- the eval callback ------------------------------------------------------------------------------------------
+
+bool Engine::wants(const ggml_tensor* t, char* kind, int* layer) const {
+    const char* name = t->name;
+    if ((name[0] != 'K' && name[0] != 'V') || std::strncmp(name + 1, "cur-", 4) != 0) return false;
+    const int l = parse_layer_suffix(name + 5);
+    if (l < 0 || size_t(l) >= capture_layer_.size() || !capture_layer_[l]) return false;
+    if (t->type != GGML_TYPE_F32 || t->nb[0] != sizeof(float)) return false;
+    if (name[0] == 'K') {
+        // Kcur-<l> names the projection, its reshape and the RoPE; the post-RoPE key is the ROPE node.
+        if (t->op != GGML_OP_ROPE || t->ne[0] != identity_.head_dim_k || t->ne[1] != identity_.n_head_kv) return false;
+    } else {
+        if (t->op != GGML_OP_RESHAPE || t->ne[0] != identity_.head_dim_v || t->ne[1] != identity_.n_head_kv) return false;
+    }
+    *kind = name[0];
+    *layer = l;
+    return true;
+}
+
+bool Engine::eval_callback(ggml_tensor* t, bool ask, void* user_data) {
+    auto* engine = static_cast<Engine*>(user_data);
+    char kind;
+    int layer;
+    if (!engine->wants(t, &kind, &layer)) return !ask;  // not ours: don't ask for it, keep computing
+    if (ask) return true;
+    try {
+        engine->on_tensor(t, kind, layer);
+    } catch (const std::exception& e) {
+        // Never throw through ggml's C frames; end_batch() reports it.
+        if (engine->capture_error_.empty()) engine->capture_error_ = e.what();
+    }
+    return true;
+}
+
+void Engine::on_tensor(const ggml_tensor* t, char kind, int layer) {
+    const auto start = Clock::now();
+    if (!in_batch_) throw std::logic_error("K/V captured outside begin_batch/end_batch (decode called directly?)");
+    LayerCapture& cap = captures_[layer];
+    std::vector<uint8_t>& buffer = kind == 'K' ? cap.k : cap.v;
+    const size_t nbytes = ggml_nbytes(t);
+    if (buffer.size() < nbytes) buffer.resize(nbytes);
+    const auto copy_start = Clock::now();
+    if (t->buffer && ggml_backend_buffer_is_host(t->buffer))
+        std::memcpy(buffer.data(), t->data, nbytes);
+    else
+        ggml_backend_tensor_get(t, buffer.data(), 0, nbytes);
+    stats_.copy_seconds += seconds_since(copy_start);
+    const HeadTokenView view{reinterpret_cast<const float*>(buffer.data()), t->ne[0], t->ne[1], t->ne[2],
+                             size_t(t->nb[1]), size_t(t->nb[2])};
+    (kind == 'K' ? cap.k_view : cap.v_view) = view;
+    (kind == 'K' ? cap.have_k : cap.have_v) = true;
+    ++stats_.captured_tensors;
+
+    if (cap.have_k && cap.have_v) {
+        const int64_t n = cap.k_view.n_token;
+        if (cap.v_view.n_token != n) throw std::runtime_error("layer " + std::to_string(layer) + ": K and V disagree on the ubatch size");
+        if (cap.rows_done + n > pending_n_)
+            throw std::runtime_error("layer " + std::to_string(layer) + " saw more tokens than were submitted");
+        const size_t row0 = pending_begin_ + size_t(cap.rows_done);
+        const auto score_start = Clock::now();
+        policy_->score_kv(layer, cap.k_view, cap.v_view, ledger_.original_pos_data() + row0, ledger_.scores(row0),
+                          size_t(ledger_.n_columns()));
+        stats_.score_seconds += seconds_since(score_start);
+        cap.rows_done += n;
+        cap.have_k = cap.have_v = false;
+    }
+    stats_.callback_seconds += seconds_since(start);
+}
+
+// --- batches ------------------------------------------------------------------------------------------------------
+
+int64_t Engine::begin_batch(int n) {
+    require_attached();
+    if (in_batch_) throw std::logic_error("begin_batch called twice without end_batch/abort_batch");
+    if (n <= 0 || n > config_.budget)
+        throw std::invalid_argument("a batch must hold 1.." + std::to_string(config_.budget) + " tokens, got " + std::to_string(n));
+
+    const size_t used = ledger_.size();
+    if (int64_t(used) + n > config_.budget) {
+        const size_t need = used + n - size_t(config_.budget);
+        const size_t first_candidate = ledger_.lower_bound(config_.protection.n_sink);
+        const size_t end_candidate = used > config_.protection.n_recent ? used - config_.protection.n_recent : 0;
+        const size_t n_candidates = end_candidate > first_candidate ? end_candidate - first_candidate : 0;
+        if (need > n_candidates)
+            throw std::invalid_argument("a batch of " + std::to_string(n) + " tokens needs " + std::to_string(need) +
+                                        " cells but only " + std::to_string(n_candidates) +
+                                        " cached tokens are unprotected (use next_batch_size())");
+        const size_t batch = size_t(std::ceil(config_.evict_fraction * double(config_.budget)));
+        evict(std::min(std::max(need, batch), n_candidates));
+    }
+
+    int64_t first_pos = ledger_.empty() ? 0 : ledger_.cache_pos(ledger_.size() - 1) + 1;
+    if (config_.position_mode == PositionMode::compact && first_pos + n > config_.compact_limit) {
+        compact();
+        first_pos = int64_t(ledger_.size());
+    }
+
+    pending_begin_ = ledger_.size();
+    pending_n_ = n;
+    for (int i = 0; i < n; ++i) ledger_.append(next_logical_ + i, next_logical_ + i, first_pos + i);
+    policy_->score_positions(ledger_.logical_data() + pending_begin_, ledger_.original_pos_data() + pending_begin_, n,
+                             ledger_.scores(pending_begin_), size_t(ledger_.n_columns()));
+    for (LayerCapture& cap : captures_) {
+        cap.rows_done = 0;
+        cap.have_k = cap.have_v = false;
+    }
+    capture_error_.clear();
+    in_batch_ = true;
+    return first_pos;
+}
+
+void Engine::end_batch() {
+    if (!in_batch_) throw std::logic_error("end_batch without begin_batch");
+    std::string error = capture_error_;
+    for (size_t layer = 0; error.empty() && layer < capture_layer_.size(); ++layer)
+        if (capture_layer_[layer] && captures_[layer].rows_done != pending_n_)
+            error = "layer " + std::to_string(layer) + ": captured K/V for " + std::to_string(captures_[layer].rows_done) +
+                    " of " + std::to_string(pending_n_) + " tokens (is the eval callback installed, and does this "
+                    "architecture name its nodes Kcur-<layer>/Vcur-<layer>?)";
+    if (!error.empty()) {
+        abort_batch();
+        throw std::runtime_error("kvp capture failed: " + error);
+    }
+    in_batch_ = false;
+    next_logical_ += pending_n_;
+    stats_.tokens_seen += pending_n_;
+}
+
+void Engine::abort_batch() {
+    if (!in_batch_) return;
+    in_batch_ = false;
+    discard_from(pending_begin_);
+}
+
+// --- eviction -----------------------------------------------------------------------------------------------------
+
+void Engine::remove_cells(const std::vector<int64_t>& sorted_positions) {
+    llama_memory_t mem = llama_get_memory(ctx_);
+    for (size_t i = 0; i < sorted_positions.size();) {
+        size_t j = i + 1;
+        while (j < sorted_positions.size() && sorted_positions[j] == sorted_positions[j - 1] + 1) ++j;
+        llama_memory_seq_rm(mem, config_.seq_id, llama_pos(sorted_positions[i]), llama_pos(sorted_positions[j - 1] + 1));
+        ++stats_.seq_rm_calls;
+        i = j;
+    }
+}
+
+void Engine::evict(size_t n_evict) {
+    const auto start = Clock::now();
+    const std::vector<size_t> victims = select_victims(ledger_, config_.protection, n_evict, config_.combine);
+    std::vector<int64_t> positions;
+    positions.reserve(victims.size());
+    for (size_t i : victims) positions.push_back(ledger_.cache_pos(i));
+    remove_cells(positions);
+    ledger_.remove(victims);
+    stats_.tokens_evicted += int64_t(victims.size());
+    ++stats_.eviction_rounds;
+    stats_.evict_seconds += seconds_since(start);
+}
+
+void Engine::compact() {
+    const auto start = Clock::now();
+    llama_memory_t mem = llama_get_memory(ctx_);
+    // Runs of entries with the same gap below them move down together; earlier runs move first, so a run never
+    // lands on cells that are still occupied.
+    for (size_t i = 0; i < ledger_.size();) {
+        const int64_t delta = ledger_.cache_pos(i) - int64_t(i);
+        size_t j = i + 1;
+        while (j < ledger_.size() && ledger_.cache_pos(j) - int64_t(j) == delta) ++j;
+        if (delta != 0) {
+            llama_memory_seq_add(mem, config_.seq_id, llama_pos(ledger_.cache_pos(i)),
+                                 llama_pos(ledger_.cache_pos(j - 1) + 1), llama_pos(-delta));
+            ++stats_.seq_add_calls;
+            for (size_t r = i; r < j; ++r) ledger_.set_cache_pos(r, int64_t(r));
+        }
+        i = j;
+    }
+    ++stats_.compactions;
+    stats_.evict_seconds += seconds_since(start);
+}
+
+void Engine::discard_from(size_t ledger_index) {
+    if (ledger_index >= ledger_.size()) return;
+    if (ctx_) {
+        llama_memory_seq_rm(llama_get_memory(ctx_), config_.seq_id, llama_pos(ledger_.cache_pos(ledger_index)), -1);
+        ++stats_.seq_rm_calls;
+    }
+    ledger_.truncate(ledger_index);
+}
+
+bool Engine::truncate(int64_t n_logical) {
+    if (in_batch_) throw std::logic_error("truncate during a batch");
+    if (n_logical < 0) n_logical = 0;
+    if (n_logical >= next_logical_) return true;
+    const size_t index = ledger_.lower_bound(n_logical);
+    if (int64_t(index) != n_logical) return false;  // part of the prefix was evicted
+    discard_from(index);
+    next_logical_ = n_logical;
+    return true;
+}
+
+void Engine::reset() {
+    in_batch_ = false;
+    ledger_.clear();
+    next_logical_ = 0;
+    if (ctx_) llama_memory_seq_rm(llama_get_memory(ctx_), config_.seq_id, -1, -1);
+}
+
+EngineStats Engine::stats() const {
+    EngineStats s = stats_;
+    s.cells_used = int64_t(ledger_.size());
+    s.next_position = ledger_.empty() ? 0 : ledger_.cache_pos(ledger_.size() - 1) + 1;
+    return s;
+}
+
+// --- state --------------------------------------------------------------------------------------------------------
+
+std::vector<uint8_t> Engine::save() const {
+    if (in_batch_) throw std::logic_error("cannot save state during a batch");
+    std::vector<uint8_t> out(sizeof(int64_t));
+    std::memcpy(out.data(), &next_logical_, sizeof(int64_t));
+    const std::vector<uint8_t> ledger = ledger_.serialize();
+    out.insert(out.end(), ledger.begin(), ledger.end());
+    return out;
+}
+
+void Engine::restore(const uint8_t* data, size_t size) {
+    if (in_batch_) throw std::logic_error("cannot restore state during a batch");
+    if (size < sizeof(int64_t)) throw std::invalid_argument("kvp engine state is truncated");
+    int64_t next_logical;
+    std::memcpy(&next_logical, data, sizeof(int64_t));
+    Ledger ledger = Ledger::deserialize(data + sizeof(int64_t), size - sizeof(int64_t));
+    if (ledger.n_columns() != ledger_.n_columns())
+        throw std::invalid_argument("kvp engine state was saved with another policy (score columns differ)");
+    if (int64_t(ledger.size()) > config_.budget)
+        throw std::invalid_argument("kvp engine state holds more tokens than kv_budget");
+    if (!ledger.empty() && ledger.logical(ledger.size() - 1) >= next_logical)
+        throw std::invalid_argument("kvp engine state is inconsistent");
+    ledger_ = std::move(ledger);
+    next_logical_ = next_logical;
+}
+
+}  // namespace kvp

@@ -1,0 +1,87 @@
+#include "kvp/evictor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+
+namespace kvp {
+
+HeadCombine head_combine_from_name(const std::string& name) {
+    for (HeadCombine c : {HeadCombine::sum_softmax, HeadCombine::max_softmax, HeadCombine::mean, HeadCombine::mean_rank})
+        if (name == head_combine_name(c)) return c;
+    throw std::invalid_argument("unknown head combination '" + name + "' (sum_softmax, max_softmax, mean, mean_rank)");
+}
+
+const char* head_combine_name(HeadCombine combine) {
+    switch (combine) {
+        case HeadCombine::sum_softmax: return "sum_softmax";
+        case HeadCombine::max_softmax: return "max_softmax";
+        case HeadCombine::mean: return "mean";
+        case HeadCombine::mean_rank: return "mean_rank";
+    }
+    return "unknown";
+}
+
+std::vector<size_t> eviction_candidates(const Ledger& ledger, Protection protection) {
+    std::vector<size_t> candidates;
+    const size_t end = ledger.size() > protection.n_recent ? ledger.size() - protection.n_recent : 0;
+    for (size_t i = ledger.lower_bound(protection.n_sink); i < end; ++i) candidates.push_back(i);
+    return candidates;
+}
+
+std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector<size_t>& candidates,
+                                         HeadCombine combine) {
+    const size_t n = candidates.size();
+    const int n_columns = ledger.n_columns();
+    std::vector<double> keep(n, combine == HeadCombine::max_softmax ? -INFINITY : 0.0);
+    if (n == 0) return keep;
+    std::vector<double> column(n);
+    std::vector<size_t> order(n);
+    for (int c = 0; c < n_columns; ++c) {
+        for (size_t i = 0; i < n; ++i) column[i] = ledger.scores(candidates[i])[c];
+        switch (combine) {
+            case HeadCombine::sum_softmax:
+            case HeadCombine::max_softmax: {
+                const double peak = *std::max_element(column.begin(), column.end());
+                double total = 0.0;
+                for (double& x : column) total += (x = std::exp(x - peak));
+                for (size_t i = 0; i < n; ++i) {
+                    const double p = column[i] / total;
+                    keep[i] = combine == HeadCombine::sum_softmax ? keep[i] + p : std::max(keep[i], p);
+                }
+                break;
+            }
+            case HeadCombine::mean:
+                for (size_t i = 0; i < n; ++i) keep[i] += column[i] / n_columns;
+                break;
+            case HeadCombine::mean_rank: {
+                std::iota(order.begin(), order.end(), size_t(0));
+                std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return column[a] < column[b]; });
+                for (size_t r = 0; r < n; ++r) keep[order[r]] += double(r) / n_columns;
+                break;
+            }
+        }
+    }
+    return keep;
+}
+
+std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, size_t n_evict, HeadCombine combine) {
+    const std::vector<size_t> candidates = eviction_candidates(ledger, protection);
+    if (n_evict > candidates.size())
+        throw std::logic_error("cannot evict " + std::to_string(n_evict) + " tokens: only " +
+                               std::to_string(candidates.size()) + " are not protected");
+    const std::vector<double> keep = combined_keep_scores(ledger, candidates, combine);
+    std::vector<size_t> order(candidates.size());
+    std::iota(order.begin(), order.end(), size_t(0));
+    // Candidates are in logical order, so comparing positions in `order` breaks ties towards the older token.
+    auto lower_keep = [&](size_t a, size_t b) { return keep[a] < keep[b] || (keep[a] == keep[b] && a < b); };
+    std::nth_element(order.begin(), order.begin() + n_evict, order.end(), lower_keep);
+    std::vector<size_t> victims;
+    victims.reserve(n_evict);
+    for (size_t r = 0; r < n_evict; ++r) victims.push_back(candidates[order[r]]);
+    std::sort(victims.begin(), victims.end());
+    return victims;
+}
+
+}  // namespace kvp

@@ -1,0 +1,91 @@
+#include "kvp/ledger.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+namespace kvp {
+
+void Ledger::append(int64_t logical, int64_t original_pos, int64_t cache_pos) {
+    logical_.push_back(logical);
+    original_pos_.push_back(original_pos);
+    cache_pos_.push_back(cache_pos);
+    scores_.resize(scores_.size() + n_columns_, 0.0f);
+}
+
+void Ledger::remove(const std::vector<size_t>& sorted_indices) {
+    if (sorted_indices.empty()) return;
+    size_t write = 0, next_removed = 0;
+    for (size_t read = 0; read < size(); ++read) {
+        if (next_removed < sorted_indices.size() && sorted_indices[next_removed] == read) {
+            ++next_removed;
+            continue;
+        }
+        if (write != read) {
+            logical_[write] = logical_[read];
+            original_pos_[write] = original_pos_[read];
+            cache_pos_[write] = cache_pos_[read];
+            std::memmove(scores(write), scores(read), n_columns_ * sizeof(float));
+        }
+        ++write;
+    }
+    truncate(write);
+}
+
+void Ledger::truncate(size_t first) {
+    first = std::min(first, size());
+    logical_.resize(first);
+    original_pos_.resize(first);
+    cache_pos_.resize(first);
+    scores_.resize(first * n_columns_);
+}
+
+size_t Ledger::lower_bound(int64_t logical) const {
+    return size_t(std::lower_bound(logical_.begin(), logical_.end(), logical) - logical_.begin());
+}
+
+namespace {
+constexpr char kLedgerMagic[8] = {'K', 'V', 'P', 'L', 'E', 'D', 'G', '1'};
+
+template <typename T>
+void put(std::vector<uint8_t>& out, const T* values, size_t count) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(values);
+    out.insert(out.end(), bytes, bytes + count * sizeof(T));
+}
+}  // namespace
+
+std::vector<uint8_t> Ledger::serialize() const {
+    std::vector<uint8_t> out;
+    put(out, kLedgerMagic, 8);
+    const uint64_t header[2] = {uint64_t(n_columns_), uint64_t(size())};
+    put(out, header, 2);
+    put(out, logical_.data(), size());
+    put(out, original_pos_.data(), size());
+    put(out, cache_pos_.data(), size());
+    put(out, scores_.data(), scores_.size());
+    return out;
+}
+
+Ledger Ledger::deserialize(const uint8_t* data, size_t size) {
+    if (size < 24 || std::memcmp(data, kLedgerMagic, 8) != 0) throw std::invalid_argument("not a kvp ledger image");
+    uint64_t header[2];
+    std::memcpy(header, data + 8, sizeof header);
+    const uint64_t n_columns = header[0], n = header[1];
+    if (n_columns == 0 || n_columns > (1u << 20) || n > (uint64_t(1) << 32) ||
+        size != 24 + n * (3 * sizeof(int64_t) + n_columns * sizeof(float)))
+        throw std::invalid_argument("kvp ledger image has inconsistent sizes");
+    Ledger ledger{int(n_columns)};
+    ledger.logical_.resize(n);
+    ledger.original_pos_.resize(n);
+    ledger.cache_pos_.resize(n);
+    ledger.scores_.resize(n * n_columns);
+    const uint8_t* p = data + 24;
+    for (auto* v : {&ledger.logical_, &ledger.original_pos_, &ledger.cache_pos_}) {
+        std::memcpy(v->data(), p, n * sizeof(int64_t));
+        p += n * sizeof(int64_t);
+    }
+    std::memcpy(ledger.scores_.data(), p, n * n_columns * sizeof(float));
+    return ledger;
+}
+
+}  // namespace kvp

@@ -1,0 +1,58 @@
+// KVP: the learned per-(layer, KV head) MLP of a kvp.bin file, one score column per scored (layer, head).
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvp/policy.h"
+
+namespace kvp {
+namespace {
+
+class LearnedPolicy final : public EvictionPolicy {
+public:
+    LearnedPolicy(std::shared_ptr<const Policy> file, const KernelSet& kernels, int n_threads)
+        : scorer_(file, kernels, n_threads),
+          n_head_(int(file->identity.n_head_kv)),
+          default_sink_(file->n_sink),
+          default_recent_(file->n_recent) {
+        column_of_layer_.assign(file->identity.n_layer, -1);
+        for (uint32_t layer = 0; layer < file->identity.n_layer; ++layer) {
+            if (!file->layer_scored[layer]) continue;
+            column_of_layer_[layer] = int(layers_.size()) * n_head_;
+            layers_.push_back(int(layer));
+        }
+    }
+
+    std::string name() const override { return "kvp"; }
+    int n_score_columns() const override { return int(layers_.size()) * n_head_; }
+    std::vector<int> capture_layers() const override { return layers_; }
+    uint32_t default_sink() const override { return default_sink_; }
+    uint32_t default_recent() const override { return default_recent_; }
+
+    void score_kv(int layer, const HeadTokenView& k, const HeadTokenView& v, const int64_t* original_pos,
+                  float* rows, size_t row_stride) override {
+        const int64_t n = k.n_token;
+        scratch_.resize(size_t(n) * n_head_);
+        scorer_.score_layer(layer, k, v, original_pos, scratch_.data());
+        const int column = column_of_layer_.at(layer);
+        for (int64_t t = 0; t < n; ++t)
+            for (int h = 0; h < n_head_; ++h) rows[t * row_stride + column + h] = scratch_[t * n_head_ + h];
+    }
+
+private:
+    Scorer scorer_;
+    int n_head_;
+    uint32_t default_sink_, default_recent_;
+    std::vector<int> layers_;
+    std::vector<int> column_of_layer_;
+    std::vector<float> scratch_;  // grows to the largest ubatch once
+};
+
+}  // namespace
+
+std::unique_ptr<EvictionPolicy> make_learned_policy(std::shared_ptr<const Policy> file, const PolicyOptions& options) {
+    const KernelSet& kernels = options.kernel == "auto" ? select_kernels() : kernels_by_name(options.kernel);
+    return std::make_unique<LearnedPolicy>(std::move(file), kernels, options.n_threads);
+}
+
+}  // namespace kvp

@@ -1,0 +1,50 @@
+#include <functional>
+#include <map>
+#include <stdexcept>
+
+#include "kvp/policy.h"
+
+namespace kvp {
+
+std::unique_ptr<EvictionPolicy> make_streaming_policy();
+std::unique_ptr<EvictionPolicy> make_random_policy(uint64_t seed);
+
+namespace {
+
+using Factory = std::function<std::unique_ptr<EvictionPolicy>(const PolicyOptions&)>;
+
+const std::map<std::string, Factory>& builtins() {
+    static const std::map<std::string, Factory> registry = {
+        {"streaming", [](const PolicyOptions&) { return make_streaming_policy(); }},
+        {"random", [](const PolicyOptions& o) { return make_random_policy(o.seed); }},
+    };
+    return registry;
+}
+
+bool looks_like_path(const std::string& s) {
+    return s.find('/') != std::string::npos || s.find('.') != std::string::npos;
+}
+
+}  // namespace
+
+std::vector<std::string> builtin_policy_names() {
+    std::vector<std::string> names;
+    for (const auto& [name, factory] : builtins()) names.push_back(name);
+    return names;
+}
+
+std::unique_ptr<EvictionPolicy> make_policy(const std::string& name_or_path, const ModelIdentity& model,
+                                            const PolicyOptions& options) {
+    if (auto it = builtins().find(name_or_path); it != builtins().end()) return it->second(options);
+    if (!looks_like_path(name_or_path)) {
+        std::string known;
+        for (const auto& name : builtin_policy_names()) known += (known.empty() ? "" : ", ") + name;
+        throw std::invalid_argument("unknown policy '" + name_or_path + "': use one of " + known +
+                                    ", or a path to a .kvp.bin file");
+    }
+    auto file = std::make_shared<Policy>(load_policy(name_or_path));
+    check_identity(*file, model);
+    return make_learned_policy(std::move(file), options);
+}
+
+}  // namespace kvp
