@@ -85,8 +85,8 @@ def main() -> None:
                 runs[name].append(measure(make, tokens, args.decode))
         base = {key: statistics.median(r[key] for r in runs["llama.cpp"]) for key in ("prefill_tps", "decode_tps")}
         rows = {}
-        print(f"\n## {regime}: {len(tokens)} prompt tokens, {args.decode} decode steps, budget {args.budget}")
-        print("| run | prefill tok/s | ratio | decode tok/s | ratio |")
+        print(f"\n#### {regime}: {len(tokens)} prompt tokens, {args.decode} decode steps, budget {args.budget}")
+        print("\n| run | prefill tok/s | ratio | decode tok/s | ratio |")
         print("|---|---|---|---|---|")
         for name, results in runs.items():
             row = {key: statistics.median(r[key] for r in results) for key in ("prefill_tps", "decode_tps")}
@@ -102,7 +102,7 @@ def main() -> None:
                   f"| {row['decode_ratio']:.3f} |")
         split = rows["kvp (learned)"].get("per_token_ms")
         if split:
-            print(f"kvp per token: callback {split['callback']:.4f} ms (copies {split['copy']:.4f}, scoring "
+            print(f"\nkvp per token: callback {split['callback']:.4f} ms (copies {split['copy']:.4f}, scoring "
                   f"{split['score']:.4f}), eviction {split['evict']:.4f} ms")
         report["regimes"][regime] = rows
     if args.json:

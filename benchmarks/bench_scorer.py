@@ -94,7 +94,7 @@ def main() -> None:
           f"{args.threads} threads")
     print(f"# model: prefill {base['prefill_ms_per_token']:.3f} ms/token, decode {base['decode_ms_per_token']:.2f} "
           f"ms/token, {base['model_flops_per_token'] / 1e6:.0f} MFLOP/token (2 x params)")
-    print("| hidden | kernel | MFLOP/token | % model FLOPs | prefill tok/s | % of prefill time | decode ms/token "
+    print("\n| hidden | kernel | MFLOP/token | % model FLOPs | prefill tok/s | % of prefill time | decode ms/token "
           "| % of decode time |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -304,6 +304,7 @@ NB_MODULE(_core, m) {
                  d["seq_add_calls"] = s.seq_add_calls;
                  d["seq_rm_calls"] = s.seq_rm_calls;
                  d["captured_tensors"] = s.captured_tensors;
+                 d["policy_state_bytes"] = s.policy_state_bytes;
                  d["next_position"] = s.next_position;
                  d["callback_seconds"] = s.callback_seconds;
                  d["copy_seconds"] = s.copy_seconds;

@@ -53,6 +53,7 @@ struct EngineStats {
     int64_t seq_add_calls = 0;
     int64_t seq_rm_calls = 0;
     int64_t captured_tensors = 0;
+    int64_t policy_state_bytes = 0;  // host copies a policy keeps (e.g. cached keys for attention-based ones)
     int64_t next_position = 0;
     double callback_seconds = 0;  // inside the eval callback for captured tensors (copy + score + bookkeeping)
     double copy_seconds = 0;      // copying K/V out of the graph
@@ -115,11 +116,13 @@ public:
 
 private:
     struct LayerCapture {
-        std::vector<uint8_t> k, v;  // raw copies of the captured tensors (grow to the largest ubatch once)
+        std::vector<uint8_t> k, v, q;  // raw copies of the captured tensors (grow to the largest ubatch once)
         HeadTokenView k_view, v_view;
         bool have_k = false, have_v = false;
-        int64_t rows_done = 0;
+        int64_t rows_done = 0;    // tokens of the pending batch whose K and V were scored
+        int64_t q_rows_done = 0;  // tokens of the pending batch whose queries were observed
     };
+    enum CaptureFlags : uint8_t { kCaptureKV = 1, kCaptureQ = 2 };
 
     bool wants(const ggml_tensor* t, char* kind, int* layer) const;
     void on_tensor(const ggml_tensor* t, char kind, int layer);
@@ -127,6 +130,7 @@ private:
     void compact();
     void remove_cells(const std::vector<int64_t>& sorted_positions);
     void discard_from(size_t ledger_index);
+    void forget_entries(size_t first, size_t last);
     void require_attached() const;
 
     EngineConfig config_;
@@ -134,7 +138,8 @@ private:
     std::unique_ptr<EvictionPolicy> policy_;
     llama_context* ctx_ = nullptr;
     Ledger ledger_;
-    std::vector<int> capture_layer_;        // per model layer: 1 if captured
+    std::vector<uint8_t> capture_layer_;    // per model layer: CaptureFlags; empty if nothing is captured
+    uint32_t n_head_ = 0;                   // query heads
     std::vector<LayerCapture> captures_;    // per model layer
     int64_t next_logical_ = 0;
     size_t pending_begin_ = 0;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kvp/format.h"
+#include "kvp/ledger.h"
 #include "kvp/scorer.h"
 
 namespace kvp {
@@ -35,10 +36,31 @@ public:
     }
 
     // Scores from one layer's K and V for the n = k.n_token tokens of a ubatch, called by the hook.
+    // `logical` gives each token's logical index (to key any per-token state a policy keeps).
     virtual void score_kv(int layer, const HeadTokenView& k, const HeadTokenView& v, const int64_t* original_pos,
-                          float* rows, size_t row_stride) {
-        (void)layer, (void)k, (void)v, (void)original_pos, (void)rows, (void)row_stride;
+                          const int64_t* logical, float* rows, size_t row_stride) {
+        (void)layer, (void)k, (void)v, (void)original_pos, (void)logical, (void)rows, (void)row_stride;
     }
+
+    // Layers whose post-RoPE queries (Qcur-<layer>) the hook must capture, for attention-based policies.
+    virtual std::vector<int> query_layers() const { return {}; }
+    // The queries of one layer for the tokens of a ubatch (q.n_head = the model's query heads).
+    virtual void observe_queries(int layer, const HeadTokenView& q, const int64_t* original_pos,
+                                 const int64_t* logical) {
+        (void)layer, (void)q, (void)original_pos, (void)logical;
+    }
+
+    // Called right before the evictor ranks the cached tokens. Policies whose scores depend on the whole cache
+    // (KeyDiff's mean key, LagKV's partitions, attention received from recent queries) rewrite the score rows of
+    // every ledger entry here; policies that score each token once leave them alone.
+    virtual void refresh_scores(Ledger& ledger) { (void)ledger; }
+
+    // Tokens that left the cache (evicted, truncated, reset), ascending logical indices: drop any per-token state.
+    // After load_state the ledger may hold tokens a policy never saw (its state is not saved); refresh_scores
+    // must then keep their existing score rows.
+    virtual void forget(const std::vector<int64_t>& logical) { (void)logical; }
+    // Host memory a policy holds beyond the ledger (e.g. copies of cached keys), reported by kv_stats().
+    virtual size_t state_bytes() const { return 0; }
 };
 
 struct PolicyOptions {

@@ -89,7 +89,8 @@ class Llama(llama_cpp.Llama):
     - ``kv_budget``: cells the sequence may hold, in tokens; defaults to ``n_ctx``. The context is allocated for
       exactly this budget (llama.cpp rounds it up to a multiple of 256).
     - ``kv_sink`` / ``kv_recent``: the first and the last tokens that are never evicted (defaults: the policy
-      file's, else 4 and 16). ``kv_recent`` >= 1, since a batch must follow the newest cached position.
+      file's, else 4 and 16). ``kv_recent`` >= 1, since a batch must follow the newest cached position. On models
+      with sliding-window layers (Gemma 3) it is raised to the window, whose tokens must stay for those layers.
     - ``kv_position_mode``: ``"compact"`` (default) shifts positions down over evicted gaps, lazily, only when the
       next position would reach the model's training context; ``"original"`` keeps every token's position.
     - ``kv_evict_fraction``: a full cache sheds at least this fraction of the budget at once (default 1/16).
@@ -130,6 +131,7 @@ class Llama(llama_cpp.Llama):
 
         self._check_kv_arguments(kwargs)
         super().__init__(model_path, **kwargs)
+        self._requested_n_ctx = self.context_params.n_ctx  # before the context is resized to the budget
 
         budget = kv_budget if kv_budget is not None else self.context_params.n_ctx
         engine = _core.Engine(
@@ -184,6 +186,8 @@ class Llama(llama_cpp.Llama):
             raise ValueError("kv_max_tokens must be positive")
         if kwargs.get("draft_model") is not None:
             raise ValueError("draft_model (speculative decoding) is not supported together with kv_policy")
+        if kwargs.get("vocab_only"):
+            raise ValueError("kv_policy needs the model's weights; it cannot be combined with vocab_only=True")
         if kwargs.get("embedding"):
             raise ValueError("kv_policy applies to generation; it cannot be combined with embedding=True")
 
@@ -285,7 +289,16 @@ class Llama(llama_cpp.Llama):
     def __getstate__(self):
         state = super().__getstate__()
         state.update(self._kvp_args)
+        if self._kvp_engine is not None:
+            state["n_ctx"] = self._requested_n_ctx  # context_params.n_ctx now holds the budget
         return state
+
+    def create_completion(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):
+        # llama-cpp-python reads max_tokens None or <= 0 as "until the context is full". Under a policy the cache
+        # never fills, so that would mean up to kv_max_tokens; it means up to kv_budget new tokens instead.
+        if self._kvp_engine is not None and (max_tokens is None or max_tokens <= 0):
+            max_tokens = self._kvp_engine.stats()["budget"]
+        return super().create_completion(prompt, suffix, max_tokens, *args, **kwargs)
 
     def close(self) -> None:
         # __init__ may fail (bad kv_* arguments) before llama_cpp.Llama has built its exit stack.

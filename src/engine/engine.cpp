@@ -59,6 +59,8 @@ const char* position_mode_name(PositionMode mode) {
 }
 
 ModelIdentity model_identity(const llama_model* model) {
+    if (llama_model_n_layer(model) <= 0)
+        throw std::invalid_argument("the model has no layers (loaded with vocab_only?); a kv_policy needs the weights");
     ModelIdentity id;
     id.arch = model_meta(model, "general.architecture");
     id.n_layer = uint32_t(llama_model_n_layer(model));
@@ -74,12 +76,20 @@ ModelIdentity model_identity(const llama_model* model) {
 Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy, const EngineConfig& config)
     : config_(config), identity_(model_identity(model)), policy_(std::move(policy)) {
     if (!policy_) throw std::invalid_argument("the engine needs a policy");
-    const Protection& protection = config_.protection;
+    Protection& protection = config_.protection;
     if (protection.n_recent < 1)
         throw std::invalid_argument("kv_recent must be >= 1: the newest token can never be evicted");
+    // Sliding-window layers (Gemma 3) attend to the last n_swa tokens; evicting one of those would take it from
+    // them too, so the window is always part of the protected recent tokens.
+    const uint32_t n_swa = uint32_t(std::max(0, llama_model_n_swa(model)));
+    std::string window_note;
+    if (n_swa > protection.n_recent) {
+        protection.n_recent = n_swa;
+        window_note = " (kv_recent is raised to the model's sliding window, " + std::to_string(n_swa) + " tokens)";
+    }
     if (config_.budget < int64_t(protection.n_sink) + protection.n_recent + 1)
         throw std::invalid_argument("kv_budget " + std::to_string(config_.budget) + " must be at least kv_sink + kv_recent + 1 = " +
-                                    std::to_string(protection.n_sink + protection.n_recent + 1));
+                                    std::to_string(protection.n_sink + protection.n_recent + 1) + window_note);
     if (!(config_.evict_fraction >= 0.0 && config_.evict_fraction <= 1.0))
         throw std::invalid_argument("kv_evict_fraction must be in [0, 1]");
     if (config_.compact_limit <= 0) config_.compact_limit = identity_.n_ctx_train;
@@ -90,15 +100,20 @@ Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy,
                                     " (the model's n_ctx_train); use a smaller budget or kv_position_mode='original'");
 
     ledger_ = Ledger(policy_->n_score_columns());
+    n_head_ = uint32_t(std::max(0, llama_model_n_head(model)));
     capture_layer_.assign(identity_.n_layer, 0);
     bool any = false;
-    for (int layer : policy_->capture_layers()) {
-        if (layer < 0 || uint32_t(layer) >= identity_.n_layer)
-            throw std::invalid_argument("policy asks for layer " + std::to_string(layer) + " of a " +
-                                        std::to_string(identity_.n_layer) + "-layer model");
-        capture_layer_[layer] = 1;
-        any = true;
-    }
+    auto request = [&](const std::vector<int>& layers, uint8_t flag) {
+        for (int layer : layers) {
+            if (layer < 0 || uint32_t(layer) >= identity_.n_layer)
+                throw std::invalid_argument("policy asks for layer " + std::to_string(layer) + " of a " +
+                                            std::to_string(identity_.n_layer) + "-layer model");
+            capture_layer_[layer] |= flag;
+            any = true;
+        }
+    };
+    request(policy_->capture_layers(), kCaptureKV);
+    request(policy_->query_layers(), kCaptureQ);
     if (!any) capture_layer_.clear();
     captures_.resize(identity_.n_layer);
     stats_.budget = config_.budget;
@@ -135,17 +150,25 @@ int64_t Engine::next_batch_size(int64_t remaining, int64_t n_batch) const {
 
 bool Engine::wants(const ggml_tensor* t, char* kind, int* layer) const {
     const char* name = t->name;
-    if ((name[0] != 'K' && name[0] != 'V') || std::strncmp(name + 1, "cur-", 4) != 0) return false;
+    const char c = name[0];
+    if ((c != 'K' && c != 'V' && c != 'Q') || std::strncmp(name + 1, "cur-", 4) != 0) return false;
     const int l = parse_layer_suffix(name + 5);
-    if (l < 0 || size_t(l) >= capture_layer_.size() || !capture_layer_[l]) return false;
+    if (l < 0 || size_t(l) >= capture_layer_.size()) return false;
+    if (!(capture_layer_[l] & (c == 'Q' ? kCaptureQ : kCaptureKV))) return false;
     if (t->type != GGML_TYPE_F32 || t->nb[0] != sizeof(float)) return false;
-    if (name[0] == 'K') {
-        // Kcur-<l> names the projection, its reshape and the RoPE; the post-RoPE key is the ROPE node.
-        if (t->op != GGML_OP_ROPE || t->ne[0] != identity_.head_dim_k || t->ne[1] != identity_.n_head_kv) return false;
-    } else {
-        if (t->op != GGML_OP_RESHAPE || t->ne[0] != identity_.head_dim_v || t->ne[1] != identity_.n_head_kv) return false;
+    // Kcur-<l> and Qcur-<l> name the projection, its reshape and the RoPE; the post-RoPE one is the ROPE node.
+    // Vcur-<l> is the projection and its reshape to [head_dim, n_head_kv, tokens].
+    switch (c) {
+        case 'K':
+            if (t->op != GGML_OP_ROPE || t->ne[0] != identity_.head_dim_k || t->ne[1] != identity_.n_head_kv) return false;
+            break;
+        case 'Q':
+            if (t->op != GGML_OP_ROPE || t->ne[0] != identity_.head_dim_k || t->ne[1] != n_head_) return false;
+            break;
+        default:
+            if (t->op != GGML_OP_RESHAPE || t->ne[0] != identity_.head_dim_v || t->ne[1] != identity_.n_head_kv) return false;
     }
-    *kind = name[0];
+    *kind = c;
     *layer = l;
     return true;
 }
@@ -169,7 +192,7 @@ void Engine::on_tensor(const ggml_tensor* t, char kind, int layer) {
     const auto start = Clock::now();
     if (!in_batch_) throw std::logic_error("K/V captured outside begin_batch/end_batch (decode called directly?)");
     LayerCapture& cap = captures_[layer];
-    std::vector<uint8_t>& buffer = kind == 'K' ? cap.k : cap.v;
+    std::vector<uint8_t>& buffer = kind == 'K' ? cap.k : kind == 'V' ? cap.v : cap.q;
     const size_t nbytes = ggml_nbytes(t);
     if (buffer.size() < nbytes) buffer.resize(nbytes);
     const auto copy_start = Clock::now();
@@ -180,9 +203,21 @@ void Engine::on_tensor(const ggml_tensor* t, char kind, int layer) {
     stats_.copy_seconds += seconds_since(copy_start);
     const HeadTokenView view{reinterpret_cast<const float*>(buffer.data()), t->ne[0], t->ne[1], t->ne[2],
                              size_t(t->nb[1]), size_t(t->nb[2])};
+    ++stats_.captured_tensors;
+
+    if (kind == 'Q') {
+        if (cap.q_rows_done + view.n_token > pending_n_)
+            throw std::runtime_error("layer " + std::to_string(layer) + " saw more queries than tokens submitted");
+        const size_t row0 = pending_begin_ + size_t(cap.q_rows_done);
+        const auto score_start = Clock::now();
+        policy_->observe_queries(layer, view, ledger_.original_pos_data() + row0, ledger_.logical_data() + row0);
+        stats_.score_seconds += seconds_since(score_start);
+        cap.q_rows_done += view.n_token;
+        stats_.callback_seconds += seconds_since(start);
+        return;
+    }
     (kind == 'K' ? cap.k_view : cap.v_view) = view;
     (kind == 'K' ? cap.have_k : cap.have_v) = true;
-    ++stats_.captured_tensors;
 
     if (cap.have_k && cap.have_v) {
         const int64_t n = cap.k_view.n_token;
@@ -191,8 +226,8 @@ void Engine::on_tensor(const ggml_tensor* t, char kind, int layer) {
             throw std::runtime_error("layer " + std::to_string(layer) + " saw more tokens than were submitted");
         const size_t row0 = pending_begin_ + size_t(cap.rows_done);
         const auto score_start = Clock::now();
-        policy_->score_kv(layer, cap.k_view, cap.v_view, ledger_.original_pos_data() + row0, ledger_.scores(row0),
-                          size_t(ledger_.n_columns()));
+        policy_->score_kv(layer, cap.k_view, cap.v_view, ledger_.original_pos_data() + row0,
+                          ledger_.logical_data() + row0, ledger_.scores(row0), size_t(ledger_.n_columns()));
         stats_.score_seconds += seconds_since(score_start);
         cap.rows_done += n;
         cap.have_k = cap.have_v = false;
@@ -234,7 +269,7 @@ int64_t Engine::begin_batch(int n) {
     policy_->score_positions(ledger_.logical_data() + pending_begin_, ledger_.original_pos_data() + pending_begin_, n,
                              ledger_.scores(pending_begin_), size_t(ledger_.n_columns()));
     for (LayerCapture& cap : captures_) {
-        cap.rows_done = 0;
+        cap.rows_done = cap.q_rows_done = 0;
         cap.have_k = cap.have_v = false;
     }
     capture_error_.clear();
@@ -245,11 +280,16 @@ int64_t Engine::begin_batch(int n) {
 void Engine::end_batch() {
     if (!in_batch_) throw std::logic_error("end_batch without begin_batch");
     std::string error = capture_error_;
-    for (size_t layer = 0; error.empty() && layer < capture_layer_.size(); ++layer)
-        if (capture_layer_[layer] && captures_[layer].rows_done != pending_n_)
-            error = "layer " + std::to_string(layer) + ": captured K/V for " + std::to_string(captures_[layer].rows_done) +
-                    " of " + std::to_string(pending_n_) + " tokens (is the eval callback installed, and does this "
-                    "architecture name its nodes Kcur-<layer>/Vcur-<layer>?)";
+    for (size_t layer = 0; error.empty() && layer < capture_layer_.size(); ++layer) {
+        const LayerCapture& cap = captures_[layer];
+        const bool kv_short = (capture_layer_[layer] & kCaptureKV) && cap.rows_done != pending_n_;
+        const bool q_short = (capture_layer_[layer] & kCaptureQ) && cap.q_rows_done != pending_n_;
+        if (kv_short || q_short)
+            error = "layer " + std::to_string(layer) + ": captured " + (kv_short ? "K/V" : "Q") + " for " +
+                    std::to_string(kv_short ? cap.rows_done : cap.q_rows_done) + " of " + std::to_string(pending_n_) +
+                    " tokens (is the eval callback installed, and does this architecture name its nodes "
+                    "Qcur/Kcur/Vcur-<layer>?)";
+    }
     if (!error.empty()) {
         abort_batch();
         throw std::runtime_error("kvp capture failed: " + error);
@@ -280,12 +320,18 @@ void Engine::remove_cells(const std::vector<int64_t>& sorted_positions) {
 
 void Engine::evict(size_t n_evict) {
     const auto start = Clock::now();
+    policy_->refresh_scores(ledger_);
     const std::vector<size_t> victims = select_victims(ledger_, config_.protection, n_evict, config_.combine);
-    std::vector<int64_t> positions;
+    std::vector<int64_t> positions, logical;
     positions.reserve(victims.size());
-    for (size_t i : victims) positions.push_back(ledger_.cache_pos(i));
+    logical.reserve(victims.size());
+    for (size_t i : victims) {
+        positions.push_back(ledger_.cache_pos(i));
+        logical.push_back(ledger_.logical(i));
+    }
     remove_cells(positions);
     ledger_.remove(victims);
+    policy_->forget(logical);
     stats_.tokens_evicted += int64_t(victims.size());
     ++stats_.eviction_rounds;
     stats_.evict_seconds += seconds_since(start);
@@ -312,8 +358,14 @@ void Engine::compact() {
     stats_.evict_seconds += seconds_since(start);
 }
 
+void Engine::forget_entries(size_t first, size_t last) {
+    if (first >= last) return;
+    policy_->forget(std::vector<int64_t>(ledger_.logical_data() + first, ledger_.logical_data() + last));
+}
+
 void Engine::discard_from(size_t ledger_index) {
     if (ledger_index >= ledger_.size()) return;
+    forget_entries(ledger_index, ledger_.size());
     if (ctx_) {
         llama_memory_seq_rm(llama_get_memory(ctx_), config_.seq_id, llama_pos(ledger_.cache_pos(ledger_index)), -1);
         ++stats_.seq_rm_calls;
@@ -334,6 +386,7 @@ bool Engine::truncate(int64_t n_logical) {
 
 void Engine::reset() {
     in_batch_ = false;
+    forget_entries(0, ledger_.size());
     ledger_.clear();
     next_logical_ = 0;
     if (ctx_) llama_memory_seq_rm(llama_get_memory(ctx_), config_.seq_id, -1, -1);
@@ -342,6 +395,7 @@ void Engine::reset() {
 EngineStats Engine::stats() const {
     EngineStats s = stats_;
     s.cells_used = int64_t(ledger_.size());
+    s.policy_state_bytes = int64_t(policy_->state_bytes());
     s.next_position = ledger_.empty() ? 0 : ledger_.cache_pos(ledger_.size() - 1) + 1;
     return s;
 }
@@ -369,6 +423,7 @@ void Engine::restore(const uint8_t* data, size_t size) {
         throw std::invalid_argument("kvp engine state holds more tokens than kv_budget");
     if (!ledger.empty() && ledger.logical(ledger.size() - 1) >= next_logical)
         throw std::invalid_argument("kvp engine state is inconsistent");
+    forget_entries(0, ledger_.size());
     ledger_ = std::move(ledger);
     next_logical_ = next_logical;
 }

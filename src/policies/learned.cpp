@@ -30,7 +30,7 @@ public:
     uint32_t default_recent() const override { return default_recent_; }
 
     void score_kv(int layer, const HeadTokenView& k, const HeadTokenView& v, const int64_t* original_pos,
-                  float* rows, size_t row_stride) override {
+                  const int64_t*, float* rows, size_t row_stride) override {
         const int64_t n = k.n_token;
         scratch_.resize(size_t(n) * n_head_);
         scorer_.score_layer(layer, k, v, original_pos, scratch_.data());
