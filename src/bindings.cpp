@@ -109,6 +109,11 @@ kvp::HeadTokenView view_of(const FloatIn& a, const char* what) {
 
 }  // namespace
 
+namespace kvp {
+void bind_policies(nb::module_& m);  // src/bindings_policies.cpp
+void bind_capture(nb::module_& m);   // src/bindings_capture.cpp
+}  // namespace kvp
+
 NB_MODULE(_core, m) {
     m.doc() = "kvp-cpp native core: policy format, scorer kernels and the llama.cpp eviction engine";
 
@@ -228,7 +233,6 @@ NB_MODULE(_core, m) {
 
 
     // --- engine -------------------------------------------------------------------------------------------
-    m.def("builtin_policies", &kvp::builtin_policy_names);
     m.def("model_identity",
           [](uintptr_t model) { return identity_dict(kvp::model_identity(reinterpret_cast<const llama_model*>(model))); },
           "model"_a);
@@ -283,6 +287,7 @@ NB_MODULE(_core, m) {
         .def("end_batch", &kvp::Engine::end_batch)
         .def("abort_batch", &kvp::Engine::abort_batch)
         .def("truncate", &kvp::Engine::truncate, "n_logical"_a)
+        .def("compress", &kvp::Engine::compress, "budget"_a)
         .def("reset", &kvp::Engine::reset)
         .def("save", [](const kvp::Engine& e) {
             const std::vector<uint8_t> image = e.save();
@@ -330,6 +335,9 @@ NB_MODULE(_core, m) {
             d["scores"] = scores;
             return d;
         });
+
+    kvp::bind_policies(m);
+    kvp::bind_capture(m);
 
     nb::register_exception_translator([](const std::exception_ptr& p, void*) {
         try {

@@ -280,3 +280,26 @@ def test_logical_limit_and_logits_all(model_path):
     llm = kvp_cpp.Llama(model_path, n_ctx=64, kv_policy="streaming", logits_all=True, verbose=False)
     with pytest.raises(ValueError, match="logits_all"):
         llm.eval(long_prompt(llm, 150))
+
+
+def test_oneshot_compress(model_path, random_policy_path):
+    llm = kvp_cpp.Llama(model_path, n_ctx=1024, kv_policy=random_policy_path, kv_sink=4, kv_recent=16, verbose=False)
+    llm.eval(long_prompt(llm, 700))
+    assert llm.kv_stats()["tokens_evicted"] == 0
+    scores = llm.kv_engine.ledger()["scores"].astype(np.float64)  # (700, 90): one column per (layer, head)
+    assert llm.kv_compress(128) == 700 - 128
+    positions = assert_within_budget(llm, 128)
+    ledger = llm.kv_engine.ledger()
+    assert ledger["logical"][:4].tolist() == [0, 1, 2, 3] and ledger["logical"][-16:].tolist() == list(range(684, 700))
+    # the kept middle is the top of the default combination, recomputed here: the sum over columns of each
+    # column's softmax over the unprotected tokens
+    candidates = scores[4:684]
+    probabilities = np.exp(candidates - candidates.max(axis=0))
+    keep = (probabilities / probabilities.sum(axis=0)).sum(axis=1)
+    expected = sorted((4 + np.argsort(-keep, kind="stable")[:128 - 20]).tolist())
+    assert ledger["logical"][4:-16].tolist() == expected
+    assert len(positions) == 128 and llm.kv_stats()["budget"] == 128
+    llm.eval(long_prompt(llm, 100))  # continues under the new budget
+    assert_within_budget(llm, 128)
+    with pytest.raises(ValueError, match="cannot compress to 10 cells"):
+        llm.kv_compress(10)

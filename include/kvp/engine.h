@@ -102,6 +102,10 @@ public:
     void end_batch();
     void abort_batch();
 
+    // The oneshot protocol: evicts down to `budget` cells at once (the policy ranks every cached token), and
+    // makes `budget` the engine's budget from then on. Returns the number of tokens evicted.
+    int64_t compress(int64_t budget);
+
     // Forgets the tokens with logical index >= n_logical, if the cache still holds every token before it.
     // Returns false, changing nothing, if tokens of that prefix were evicted (the caller must re-prefill).
     bool truncate(int64_t n_logical);

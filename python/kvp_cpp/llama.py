@@ -49,6 +49,32 @@ def builtin_policies() -> list:
     return list(_core.builtin_policies())
 
 
+def recreate_context(llm: llama_cpp.Llama, *, callback_address: int = 0, user_data: int = 0,
+                     n_ctx: Optional[int] = None, context_factory=internals.LlamaContext) -> None:
+    """Re-creates ``llm``'s llama_context with a native eval callback installed (and optionally another n_ctx).
+
+    llama.h has no setter for the eval callback: it must be in the params before the context exists, and
+    ``llama_cpp.Llama.__init__`` creates its context inline. The object behind ``user_data`` must outlive the
+    context. A LoRA adapter set on the old context is set again on the new one.
+    """
+    llm._ctx.close()
+    params = llm.context_params
+    if n_ctx is not None:
+        params.n_ctx = n_ctx
+    if callback_address:
+        params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(callback_address)
+        params.cb_eval_user_data = ctypes.c_void_p(user_data)
+    llm._ctx = llm._stack.enter_context(
+        contextlib.closing(context_factory(model=llm._model, params=params, verbose=llm.verbose))
+    )
+    if llm._lora_adapter is not None:
+        adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(llm._lora_adapter)
+        scales = (ctypes.c_float * 1)(llm.lora_scale)
+        if llama_cpp.llama_set_adapters_lora(llm._ctx.ctx, adapters, 1, scales):
+            raise RuntimeError(f"Failed to set LoRA adapter from lora path: {llm.lora_path}")
+    llm.reset()
+
+
 class KvpLlamaState(llama_cpp.LlamaState):
     """``LlamaState`` plus the eviction engine's ledger, so a restored state knows which tokens are cached where."""
 
@@ -123,7 +149,8 @@ class Llama(llama_cpp.Llama):
         self._kvp_args = dict(
             kv_policy=kv_policy, kv_budget=kv_budget, kv_sink=kv_sink, kv_recent=kv_recent,
             kv_position_mode=kv_position_mode, kv_evict_fraction=kv_evict_fraction, kv_head_combine=kv_head_combine,
-            kv_seed=kv_seed, kv_compact_limit=kv_compact_limit, kv_max_tokens=kv_max_tokens, kv_kernel=kv_kernel, kv_threads=kv_threads,
+            kv_seed=kv_seed, kv_compact_limit=kv_compact_limit, kv_max_tokens=kv_max_tokens, kv_kernel=kv_kernel,
+            kv_threads=kv_threads,
         )
         if kv_policy is None:
             super().__init__(model_path, **kwargs)
@@ -192,27 +219,10 @@ class Llama(llama_cpp.Llama):
             raise ValueError("kv_policy applies to generation; it cannot be combined with embedding=True")
 
     def _recreate_context(self, engine: "_core.Engine", budget: int) -> None:
-        """Re-creates the context with the engine's eval callback and an n_ctx sized to the budget.
-
-        llama.h has no setter for the eval callback: it must be in the params before the context exists, and
-        ``llama_cpp.Llama.__init__`` creates its context inline.
-        """
-        self._ctx.close()
-        params = self.context_params
-        params.n_ctx = budget
-        if engine.callback_address:
-            params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(engine.callback_address)
-            params.cb_eval_user_data = ctypes.c_void_p(engine.address)
-        self._ctx = self._stack.enter_context(
-            contextlib.closing(_EvictingContext(engine, model=self._model, params=params, verbose=self.verbose))
-        )
+        recreate_context(self, callback_address=engine.callback_address, user_data=engine.address, n_ctx=budget,
+                         context_factory=lambda **kwargs: _EvictingContext(engine, **kwargs))
         # The context holds a raw pointer to the engine: detach before the context is freed (ExitStack is LIFO).
         self._stack.callback(engine.detach)
-        if self._lora_adapter is not None:
-            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self._lora_adapter)
-            scales = (ctypes.c_float * 1)(self.lora_scale)
-            if llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, 1, scales):
-                raise RuntimeError(f"Failed to set LoRA adapter from lora path: {self.lora_path}")
         engine.attach(_address(self._ctx.ctx))
 
     # --- the decode path ----------------------------------------------------------------------------------------
@@ -310,6 +320,14 @@ class Llama(llama_cpp.Llama):
     @property
     def kv_engine(self) -> Optional["_core.Engine"]:
         return self._kvp_engine
+
+    def kv_compress(self, budget: int) -> int:
+        """The oneshot protocol: evict down to ``budget`` cells now, the policy ranking every cached token, and keep
+        that budget from then on. Create the Llama with a budget large enough for the whole context first, evaluate
+        it (with or without the question), then compress. Returns the number of tokens evicted."""
+        if self._kvp_engine is None:
+            raise ValueError("kv_compress() needs a kv_policy")
+        return self._kvp_engine.compress(int(budget))
 
     def kv_stats(self) -> Dict[str, Any]:
         """Cells in use, budget, KV bytes allocated, tokens seen and evicted, and where the engine's time went."""

