@@ -246,6 +246,24 @@ NB_MODULE(_core, m) {
           },
           "model"_a, "n_cells"_a, "type_k"_a, "type_v"_a);
 
+    m.def("combined_keep_scores",
+          [](const FloatIn& scores, const std::string& combine) {
+              // The evictor's head combination over a block of candidates (rows) and score columns.
+              if (scores.ndim() != 2) throw nb::value_error("scores must be (tokens, columns)");
+              const size_t n = scores.shape(0), cols = scores.shape(1);
+              kvp::Ledger ledger{int(cols)};
+              std::vector<size_t> candidates(n);
+              for (size_t i = 0; i < n; ++i) {
+                  ledger.append(int64_t(i), int64_t(i), int64_t(i));
+                  std::memcpy(ledger.scores(i), scores.data() + i * cols, cols * sizeof(float));
+                  candidates[i] = i;
+              }
+              const std::vector<double> keep =
+                  kvp::combined_keep_scores(ledger, candidates, kvp::head_combine_from_name(combine));
+              return array_from(keep, {n});
+          },
+          "scores"_a, "combine"_a);
+
     nb::class_<kvp::Engine>(m, "Engine")
         .def(
             "__init__",
