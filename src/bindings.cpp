@@ -119,6 +119,16 @@ NB_MODULE(_core, m) {
 
     nb::exception<kvp::FormatError>(m, "PolicyFormatError", PyExc_ValueError);
 
+    // --- what this build was compiled against, and what is loaded -------------------------------------------
+    m.def("build_info", [] {
+        nb::dict d;
+        d["llama_cpp_python"] = KVP_BUILT_LLAMA_CPP_PYTHON;
+        d["ggml_commit"] = KVP_BUILT_GGML_COMMIT;
+        d["llama_h_sha256"] = KVP_BUILT_LLAMA_H_SHA256;
+        return d;
+    });
+    m.def("runtime_ggml_commit", [] { return std::string(ggml_commit()); });
+
     // --- format -------------------------------------------------------------------------------------------
     nb::class_<kvp::Policy>(m, "Policy")
         .def_prop_ro("identity", [](const kvp::Policy& p) { return identity_dict(p.identity); })

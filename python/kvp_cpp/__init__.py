@@ -6,6 +6,9 @@ from __future__ import annotations
 import llama_cpp as _llama_cpp  # noqa: F401  (import order matters)
 
 from . import _core
+from ._build_check import check_llama_cpp_build as _check_llama_cpp_build
+
+_check_llama_cpp_build(_core, _llama_cpp)
 from ._core import PolicyFormatError, Scorer, available_kernels, load_policy, parse_policy, selected_kernel
 from ._paths import default_model_path
 from .llama import KvpLlamaState, Llama, builtin_policies, model_identity
