@@ -90,13 +90,17 @@ def ruler_documents(model: str, count: int, length: int, seed: int) -> Iterator[
             produced += 1
 
 
-def chat_documents(llm, count: int, seed: int, max_turn_tokens: int = 160) -> Iterator[Tuple[str, str, str]]:
+def chat_documents(llm, count: int, seed: int, done=frozenset(), max_turn_tokens: int = 160
+                   ) -> Iterator[Tuple[str, str, str]]:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     formatter = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"],
                                     eos_token=llm.detokenize([llm.token_eos()], special=True).decode(),
                                     bos_token=llm.detokenize([llm.token_bos()], special=True).decode())
     for index in range(count):
+        if f"chat/{index}" in done:  # resuming: generating it again would only be thrown away
+            yield "chats", f"chat/{index}", ""
+            continue
         opening, follow_ups = SEED_CHATS[index % len(SEED_CHATS)]
         messages = [{"role": "user", "content": opening}]
         for turn in range(len(follow_ups) + 1):
@@ -158,11 +162,10 @@ def main(argv=None) -> int:
         with open(manifest_path) as f:
             manifest["sequences"] = json.load(f)["sequences"]
     done = {s["document"] for s in manifest["sequences"]}
-    rng = random.Random(args.seed)
     scale = 1.0 / np.sqrt(dk)
 
     sources = [ruler_documents(model, args.ruler, args.length, args.seed), chat_documents(capture.llm, args.chats,
-               args.seed), text_documents(args.text)]
+               args.seed, done), text_documents(args.text)]
     start = time.time()
     index_in_source = {}
     for source in sources:
@@ -180,7 +183,8 @@ def main(argv=None) -> int:
             os.makedirs(path, exist_ok=True)
             out = capture.run(tokens)
             n = len(tokens)
-            cuts = choose_cuts(n, args.n_future, args.cuts, rng)
+            # seeded per document, so a resumed run picks the same cuts as an uninterrupted one
+            cuts = choose_cuts(n, args.n_future, args.cuts, random.Random(f"{args.seed}:{document}"))
             k_all = np.stack([out["Kcur"][layer] for layer in range(n_layer)])  # (L, n, H, dk)
             v_all = np.stack([out["Vcur"][layer] for layer in range(n_layer)])
             np.asarray(tokens, np.int32).tofile(os.path.join(path, "tokens.i32"))
