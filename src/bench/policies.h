@@ -1,0 +1,56 @@
+// The policies of a sweep, as named on the command line: `full` (the uncompressed reference, no engine), any
+// built-in name of kvp::builtin_policy_names(), `kvp:PATH` or a bare path to a .kvp.bin file.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvp/engine.h"
+
+struct llama_model;
+
+namespace kvp::bench {
+
+struct EngineOptions {
+    uint64_t seed = 0;         // of `random`
+    int n_threads = 0;         // scorer threads
+    int64_t n_sink = -1;       // -1: the policy's default
+    int64_t n_recent = -1;
+    HeadCombine combine = HeadCombine::sum_softmax;
+    double evict_fraction = 0.0625;
+};
+
+class PolicyFactory {
+public:
+    // Checks the name (or loads and checks the policy file) right away, so a bad name fails before any work.
+    PolicyFactory(const std::string& label, const llama_model* model, const EngineOptions& options);
+
+    const std::string& label() const { return label_; }  // as given: "full", "streaming", "kvp:models/x.kvp.bin"
+    bool is_full() const { return source_.empty(); }
+    const std::string& policy_name() const { return policy_name_; }  // the policy's own name(); "full" for full
+    bool attention_based() const { return attention_based_; }        // scores from observed queries
+    bool captures_kv() const { return captures_kv_; }
+    Protection protection() const { return protection_; }
+    int64_t min_budget() const { return int64_t(protection_.n_sink) + protection_.n_recent + 1; }
+
+    // A fresh engine for this policy (not for `full`), not yet attached.
+    std::unique_ptr<Engine> make_engine(int64_t budget) const;
+
+private:
+    std::unique_ptr<EvictionPolicy> make_policy() const;
+
+    std::string label_, source_, policy_name_;
+    const llama_model* model_;
+    ModelIdentity identity_;
+    EngineOptions options_;
+    std::shared_ptr<const Policy> file_;  // for learned policies: loaded once, shared by every engine
+    Protection protection_;
+    bool attention_based_ = false, captures_kv_ = false;
+};
+
+// Comma-separated labels; empty items are skipped.
+std::vector<std::string> split_list(const std::string& text);
+
+}  // namespace kvp::bench

@@ -1,0 +1,307 @@
+"""kvp-bench (src/bench/, python/kvp_cpp/bench.py, python/kvp_cpp/plot.py): the C++ metrics against
+kvp_cpp.metrics, one prefill per sample in the oneshot protocol, the reference left intact by a sweep, the cache
+within budget, the JSON/CSV schema, resuming, the bounded protocol, perplexity, the launcher and the plots."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvp_cpp import bench
+from kvp_cpp.metrics import match_all, match_part, postprocess_prediction, score
+
+TARGET_LENGTH = 384
+SAMPLES = 2
+MAX_NEW_TOKENS = 8
+BUDGETS = (64, 1024)  # 1024 holds every prompt: nothing is evicted
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([bench.binary_path(), *args], capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise AssertionError(f"kvp-bench failed ({result.returncode}):\n{result.stderr}")
+    return result
+
+
+def read_log(json_path, skip_lines=()) -> list:
+    with open(str(json_path)[: -len(".json")] + ".samples.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for i, line in enumerate(f) if line.strip() and i not in skip_lines]
+
+
+def by_key(records) -> dict:
+    return {(r["task"], r["index"], r["policy"], r["budget"]): r for r in records}
+
+
+@pytest.fixture(scope="module")
+def tasks_file(tmp_path_factory, model_path):
+    from kvp_cpp.ruler import LlamaTokenizer, generate
+
+    tokenizer = LlamaTokenizer(model_path)
+    path = tmp_path_factory.mktemp("tasks") / "niah.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for record in generate("niah_single_1", TARGET_LENGTH, SAMPLES, tokenizer):
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    """A learned policy with random weights: its engines capture K/V of every layer through the eval callback."""
+    from kvp_cpp import policy_file
+
+    path = tmp_path_factory.mktemp("policy") / "random.kvp.bin"
+    policy_file.write_policy(path, policy_file.random_policy(**policy_file.smollm2_identity(), hidden=(16,), seed=3))
+    return f"kvp:{path}"
+
+
+@pytest.fixture(scope="module")
+def sweep_policies(learned):
+    return ["streaming", "random", learned, "full"]  # full last: it runs after the others restored and evicted
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, model_path, tasks_file, sweep_policies):
+    """One oneshot sweep: SAMPLES samples x (3 policies x 3 budgets + full)."""
+    out = tmp_path_factory.mktemp("sweep") / "results.json"
+    args = ["-m", model_path, "--tasks", str(tasks_file), "--policies", ",".join(sweep_policies),
+            "--budgets", ",".join(map(str, BUDGETS)), "--max-new-tokens", str(MAX_NEW_TOKENS), "-o", str(out)]
+    result = run_bench(*args)
+    with open(out, encoding="utf-8") as f:
+        document = json.load(f)
+    return {"args": args, "out": out, "stdout": result.stdout, "stderr": result.stderr, "document": document,
+            "records": read_log(out)}
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+METRIC_CASES = [
+    ("  The number is 1234567.\n", ["1234567"], "string_match_all", 100.0),
+    ("apple, BANANA and cherry", ["apple", "banana", "kiwi", "plum"], "string_match_all", 50.0),
+    ("\x07NOTHING\x00here\x1f", ["nothing\nhere"], "string_match_all", 100.0),  # control chars become newlines
+    ("", ["x"], "string_match_all", 0.0),
+    ("It was in PARIS.", ["Paris", "France"], "string_match_part", 100.0),
+    ("London?", ["Berlin"], "string_match_part", 0.0),
+    ("no IDEA", ["yes", "idea"], "string_match_part", 100.0),
+    ("one two", ["one", "two", "three"], "string_match_all", 100.0 * 2 / 3),
+]
+
+
+def test_cpp_metrics_match_hand_made_cases_and_kvp_cpp_metrics(tmp_path):
+    path = tmp_path / "predictions.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for prediction, outputs, metric, _ in METRIC_CASES:
+            f.write(json.dumps({"prediction": prediction, "outputs": outputs, "metric": metric}) + "\n")
+    result = json.loads(run_bench("--score-predictions", str(path)).stdout)
+
+    per_sample = {"string_match_all": match_all, "string_match_part": match_part}
+    for (prediction, outputs, metric, expected), got in zip(METRIC_CASES, result["scores"]):
+        assert got == pytest.approx(expected)
+        assert got == pytest.approx(100 * per_sample[metric](postprocess_prediction(prediction), outputs))
+    for metric in per_sample:
+        cases = [c for c in METRIC_CASES if c[2] == metric]
+        assert result["aggregate"][metric] == score(metric, [c[0] for c in cases], [c[1] for c in cases])
+
+
+# ------------------------------------------------------------------------------------------------ oneshot
+
+
+def test_oneshot_prefills_each_sample_once_whatever_the_number_of_policies_and_budgets(sweep, tasks_file):
+    run, records = sweep["document"]["run"], sweep["records"]
+    with open(tasks_file, encoding="utf-8") as f:
+        samples = [json.loads(line) for line in f]
+    prompt_tokens = {s["index"]: s["length"] for s in samples}  # SmolLM2 adds no BOS: same count as the generator
+    assert len(records) == SAMPLES * (3 * len(BUDGETS) + 1)
+    assert all(r["prompt_tokens"] == prompt_tokens[r["index"]] for r in records)
+
+    assert run["shared_prefills"] == SAMPLES
+    # The last prompt token is held back and decoded after compression, by each result.
+    assert run["shared_prefill_tokens"] == sum(n - 1 for n in prompt_tokens.values())
+    assert run["decoded_tokens"] == run["shared_prefill_tokens"] + sum(r["decoded_tokens"] for r in records)
+    for r in records:
+        # the held-back token, then each generated token (the last one only if generation stopped at max)
+        assert 1 <= r["decoded_tokens"] <= r["generated_tokens"] + 1 <= MAX_NEW_TOKENS + 1
+
+
+def test_each_result_is_the_one_its_policy_gives_alone(sweep, tmp_path, model_path, tasks_file, learned):
+    """Neither the reference nor a learned engine is disturbed by the other engines that followed the same prefill
+    and by the results computed before it from the restored state."""
+    alone = tmp_path / "alone.json"
+    run_bench("-m", model_path, "--tasks", str(tasks_file), "--samples", "1", "--policies", f"{learned},full",
+              "--budgets", str(min(BUDGETS)), "--max-new-tokens", str(MAX_NEW_TOKENS), "-o", str(alone))
+    in_sweep = by_key(sweep["records"])
+    alone_records = read_log(alone)
+    assert len(alone_records) == 2
+    for r in alone_records:
+        swept = in_sweep[(r["task"], r["index"], r["policy"], r["budget"])]
+        fields = ("prediction", "score", "llama_cells", "tokens_evicted", "kept_digest")
+        assert [swept[f] for f in fields] == [r[f] for f in fields]
+    # A budget that holds the whole prompt evicts nothing: the restored prefill gives the reference's answer.
+    for r in sweep["records"]:
+        if r["budget"] == max(BUDGETS):
+            reference = in_sweep[(r["task"], r["index"], "full", None)]
+            assert r["tokens_evicted"] == 0
+            assert (r["prediction"], r["kept_digest"]) == (reference["prediction"], reference["kept_digest"])
+
+
+def test_every_result_keeps_the_cache_within_its_budget(sweep):
+    for r in sweep["records"]:
+        if r["budget"] is None:  # full: the prompt plus every decoded token after it, in llama.cpp's own count
+            assert r["llama_cells"] == r["cells_max"] == r["prompt_tokens"] - 1 + r["decoded_tokens"]
+        else:
+            assert 0 < r["llama_cells"] <= r["cells_max"] <= r["budget"]
+            if r["budget"] < r["prompt_tokens"]:
+                assert r["tokens_evicted"] >= r["prompt_tokens"] - r["budget"]
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+def test_json_and_csv_hold_the_same_rows_and_the_table_shows_them(sweep, sweep_policies):
+    document, out = sweep["document"], sweep["out"]
+    assert document["schema"] == "kvp-bench/1" and document["mode"] == "tasks"
+    assert document["config"]["protocol"] == "oneshot"
+    assert [p["label"] for p in document["config"]["policies"]] == sweep_policies
+    assert [p["captures_kv"] for p in document["config"]["policies"]] == [False, False, True, False]
+    assert document["model"]["identity"]["n_layer"] == 30
+    rows = document["results"]
+    assert [(r["policy"], r["budget"]) for r in rows] == (
+        [(policy, b) for policy in sweep_policies[:-1] for b in BUDGETS] + [("full", None)])
+
+    with open(str(out)[: -len(".json")] + ".csv", newline="", encoding="utf-8") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(rows)
+    for row, csv_row in zip(rows, csv_rows):
+        assert list(csv_row) == list(row)
+        for field, value in row.items():
+            text = csv_row[field]
+            if value is None:
+                assert text == ""
+            elif isinstance(value, str):
+                assert text == value
+            else:
+                assert float(text) == value  # shortest round-trip formatting on both sides
+
+    for row in rows:
+        per_sample = [r for r in sweep["records"] if (r["policy"], r["budget"]) == (row["policy"], row["budget"])]
+        assert row["n"] == len(per_sample) == SAMPLES
+        assert row["score"] == round(sum(r["score"] for r in per_sample) / SAMPLES, 2)
+        assert row["variant"] == "question_included"
+    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in sweep["stdout"].splitlines()]
+    assert table[0] == ["policy", "budget", "task", "length", "score ± stderr", "n"]
+    assert table[2:] == [[row["policy"], "-" if row["budget"] is None else str(row["budget"]), row["task"],
+                          str(row["length"]), f"{row['score']:.2f} ± {row['stderr']:.2f}", str(row["n"])]
+                         for row in rows]
+
+
+def test_a_rerun_skips_done_samples_and_an_interrupted_one_finishes_what_is_missing(sweep, tmp_path):
+    done = run_bench(*sweep["args"])
+    with open(sweep["out"], encoding="utf-8") as f:
+        document = json.load(f)
+    run = document["run"]
+    assert (run["results_computed"], run["shared_prefills"], run["decoded_tokens"]) == (0, 0, 0)
+    assert run["results_resumed"] == len(sweep["records"])
+    assert document["results"] == sweep["document"]["results"]
+    assert done.stdout == sweep["stdout"]
+
+    # An interrupted run: the log holds the first sample's results and half a line of the next one.
+    out = tmp_path / "interrupted.json"
+    first = [r for r in sweep["records"] if r["index"] == 0]
+    with open(tmp_path / "interrupted.samples.jsonl", "w", encoding="utf-8") as f:
+        for r in first:
+            f.write(json.dumps(r) + "\n")
+        f.write(json.dumps(sweep["records"][-1])[:40])
+    args = list(sweep["args"])
+    args[args.index("-o") + 1] = str(out)
+    result = run_bench(*args)
+    assert "ignored 1 unreadable line" in result.stderr
+    with open(out, encoding="utf-8") as f:
+        run = json.load(f)["run"]
+    assert (run["results_resumed"], run["results_computed"], run["shared_prefills"]) == (len(first), len(first), 1)
+    def outcomes(records):
+        return {key: (r["prediction"], r["score"], r["llama_cells"], r["decoded_tokens"])
+                for key, r in by_key(records).items()}
+
+    assert outcomes(read_log(out, skip_lines={len(first)})) == outcomes(sweep["records"])
+
+
+# ------------------------------------------------------------------------------------------------ other modes
+
+
+def test_bounded_protocol_prefills_per_budget_under_the_budget(tmp_path, model_path, tasks_file):
+    out = tmp_path / "bounded.json"
+    budget = 128
+    run_bench("-m", model_path, "--tasks", str(tasks_file), "--samples", "1", "--protocol", "bounded",
+              "--policies", "streaming", "--budgets", str(budget), "--max-new-tokens", "4", "-o", str(out))
+    with open(out, encoding="utf-8") as f:
+        document = json.load(f)
+    (record,) = read_log(out)
+    assert document["run"]["shared_prefills"] == 0
+    assert document["run"]["decoded_tokens"] == record["decoded_tokens"]
+    assert record["protocol"] == "bounded"
+    assert record["decoded_tokens"] >= record["prompt_tokens"]  # the result prefilled the whole prompt itself
+    assert record["tokens_evicted"] >= record["prompt_tokens"] - budget
+    assert 0 < record["llama_cells"] <= record["cells_max"] <= budget
+
+
+def test_perplexity_of_a_continuation_after_one_shared_prefill(tmp_path, model_path):
+    from kvp_cpp.ruler import sources
+
+    text = tmp_path / "essay.txt"
+    text.write_text(" ".join(sources.essay_words()[:600]), encoding="utf-8")
+    out = tmp_path / "ppl.json"
+    run_bench("-m", model_path, "--text", str(text), "--ctx", "192", "--cont", "32", "--samples", "1",
+              "--policies", "full,streaming", "--budgets", "48,256", "-o", str(out))
+    with open(out, encoding="utf-8") as f:
+        document = json.load(f)
+    assert document["mode"] == "perplexity" and document["run"]["shared_prefills"] == 1
+    rows = {(r["policy"], r["budget"]): r for r in document["results"]}
+    assert {r["metric"] for r in rows.values()} == {"mean_nll"} and {r["task"] for r in rows.values()} == {"ppl:essay"}
+    full, kept_all, squeezed = rows[("full", None)], rows[("streaming", 256)], rows[("streaming", 48)]
+    assert 0 < full["score"] < math.log(49152)  # better than uniform over the vocabulary
+    assert kept_all["score"] == pytest.approx(full["score"], abs=1e-4)  # 256 cells hold all 224 tokens
+    assert squeezed["cells_max"] <= 48 and squeezed["score"] != full["score"]
+    for r in read_log(out):
+        assert r["generated_tokens"] == 32 and r["decoded_tokens"] == 32  # held-back token + 31 teacher-forced
+
+
+# ------------------------------------------------------------------------------------------------ launcher, plots
+
+
+def test_launcher_adds_the_default_model_and_sweep(monkeypatch, model_path):
+    monkeypatch.setattr(bench, "default_tasks_file", lambda model: f"/cache/{os.path.basename(model)}.jsonl")
+    cmd = bench.command([])
+    assert cmd[0] == bench.binary_path()
+    assert cmd[cmd.index("-m") + 1] == model_path
+    assert cmd[cmd.index("--tasks") + 1] == f"/cache/{os.path.basename(model_path)}.jsonl"
+    assert cmd[cmd.index("--policies") + 1] == bench.DEFAULT_POLICIES
+    assert cmd[cmd.index("--budgets") + 1] == bench.DEFAULT_BUDGETS
+    given = bench.command(["-m", "x.gguf", "--tasks", "t.jsonl", "--budgets", "64"])
+    assert given == [bench.binary_path(), "-m", "x.gguf", "--tasks", "t.jsonl", "--budgets", "64"]
+
+
+def test_console_script_runs_the_binary_from_anywhere(tmp_path):
+    script = os.path.join(os.path.dirname(sys.executable), "kvp-bench")
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    from kvp_cpp import builtin_policies
+
+    assert all(name in result.stdout for name in builtin_policies())
+    bad = subprocess.run([script, "--tasks", "t.jsonl", "--bogus"], capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and "unknown argument '--bogus'" in bad.stderr
+
+
+def test_plots_are_written_for_tasks(sweep, tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvp_cpp import plot
+
+    paths = plot.plot(plot.load_results(str(sweep["out"])), str(tmp_path), "results")
+    assert [os.path.basename(p) for p in paths] == ["results-score.png", "results-tasks.png"]
+    for path in paths:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
