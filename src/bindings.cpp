@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 
+#include "bindings_common.h"
 #include "kvp/engine.h"
 #include "kvp/format.h"
 #include "kvp/kernels.h"
@@ -23,25 +24,20 @@ using namespace nb::literals;
 
 namespace {
 
-template <typename T>
-using Array = nb::ndarray<T, nb::numpy, nb::c_contig>;
 using FloatIn = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 using Int64In = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using kvp::bindings::identity_dict;
+using kvp::bindings::identity_from_dict;
+using kvp::bindings::to_numpy;
 
 template <typename T>
-Array<T> new_array(std::initializer_list<size_t> shape) {
-    size_t count = 1;
-    for (size_t extent : shape) count *= extent;
-    T* data = new T[count > 0 ? count : 1]();
-    nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
-    return Array<T>(data, shape, owner);
+kvp::bindings::Array<T> new_array(std::initializer_list<size_t> shape) {
+    return kvp::bindings::zeros<T>(shape);
 }
 
 template <typename T>
-Array<T> array_from(const std::vector<T>& values, std::initializer_list<size_t> shape) {
-    Array<T> out = new_array<T>(shape);
-    std::memcpy(out.data(), values.data(), values.size() * sizeof(T));
-    return out;
+kvp::bindings::Array<T> array_from(const std::vector<T>& values, std::initializer_list<size_t> shape) {
+    return to_numpy(std::vector<T>(values), shape);
 }
 
 const char* activation_name(kvp::Activation act) {
@@ -58,28 +54,6 @@ kvp::Activation activation_from_name(const std::string& name) {
     for (auto act : {kvp::Activation::relu, kvp::Activation::silu, kvp::Activation::gelu_tanh, kvp::Activation::tanh})
         if (name == activation_name(act)) return act;
     throw nb::value_error(("unknown activation '" + name + "' (relu, silu, gelu_tanh, tanh)").c_str());
-}
-
-nb::dict identity_dict(const kvp::ModelIdentity& id) {
-    nb::dict d;
-    d["arch"] = id.arch;
-    d["n_layer"] = id.n_layer;
-    d["n_head_kv"] = id.n_head_kv;
-    d["head_dim_k"] = id.head_dim_k;
-    d["head_dim_v"] = id.head_dim_v;
-    d["n_ctx_train"] = id.n_ctx_train;
-    return d;
-}
-
-kvp::ModelIdentity identity_from_dict(const nb::dict& d) {
-    kvp::ModelIdentity id;
-    id.arch = nb::cast<std::string>(d["arch"]);
-    id.n_layer = nb::cast<uint32_t>(d["n_layer"]);
-    id.n_head_kv = nb::cast<uint32_t>(d["n_head_kv"]);
-    id.head_dim_k = nb::cast<uint32_t>(d["head_dim_k"]);
-    id.head_dim_v = nb::cast<uint32_t>(d["head_dim_v"]);
-    id.n_ctx_train = nb::cast<uint32_t>(d["n_ctx_train"]);
-    return id;
 }
 
 using PolicyPtr = std::shared_ptr<kvp::Policy>;

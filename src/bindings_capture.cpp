@@ -4,8 +4,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <cstring>
 
+#include "bindings_common.h"
 #include "kvp/recorder.h"
 
 namespace nb = nanobind;
@@ -23,10 +23,9 @@ void bind_capture(nb::module_& m) {
             // (name, layer, array) per captured node, in capture order; the array's shape is (ne3, ne2, ne1, ne0).
             nb::list out;
             for (Recorder::Capture& c : r.take()) {
-                auto* data = new std::vector<float>(std::move(c.data));
-                nb::capsule owner(data, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
-                const size_t shape[4] = {size_t(c.ne[3]), size_t(c.ne[2]), size_t(c.ne[1]), size_t(c.ne[0])};
-                out.append(nb::make_tuple(c.name, c.layer, nb::ndarray<float, nb::numpy>(data->data(), 4, shape, owner)));
+                const std::array<int64_t, 4> ne = c.ne;
+                out.append(nb::make_tuple(c.name, c.layer, bindings::to_numpy(std::move(c.data), {size_t(ne[3]),
+                                          size_t(ne[2]), size_t(ne[1]), size_t(ne[0])})));
             }
             return out;
         });
