@@ -303,3 +303,15 @@ def test_oneshot_compress(model_path, random_policy_path):
     assert_within_budget(llm, 128)
     with pytest.raises(ValueError, match="cannot compress to 10 cells"):
         llm.kv_compress(10)
+
+
+def test_shipped_policy_by_name(model_path):
+    shipped = kvp_cpp.shipped_policies()
+    assert "smollm2-135m-instruct" in shipped
+    llm = kvp_cpp.Llama(model_path, n_ctx=128, kv_policy="kvp", verbose=False)
+    assert llm.kv_engine.policy_name == "kvp" and llm.kv_stats()["budget"] == 128
+    llm.eval(long_prompt(llm, 400))
+    assert_within_budget(llm, 128)
+    assert llm.kv_stats()["captured_tensors"] > 0
+    with pytest.raises(ValueError, match="no shipped KVP policy matches this model"):
+        kvp_cpp.shipped_policy_for(dict(pf.smollm2_identity(), n_layer=12))

@@ -11,6 +11,7 @@ from ._build_check import check_llama_cpp_build as _check_llama_cpp_build
 _check_llama_cpp_build(_core, _llama_cpp)
 from ._core import PolicyFormatError, Scorer, available_kernels, load_policy, parse_policy, selected_kernel
 from ._paths import default_model_path
+from .shipped import shipped_policies, shipped_policy_for
 from .llama import KvpLlamaState, Llama, builtin_policies, model_identity
 
 __version__ = "0.1.0"
@@ -27,4 +28,6 @@ __all__ = [
     "model_identity",
     "parse_policy",
     "selected_kernel",
+    "shipped_policies",
+    "shipped_policy_for",
 ]

@@ -4,7 +4,9 @@ The binary finds llama.cpp's libraries through its RUNPATH, relative to its own 
 (``$ORIGIN/../../llama_cpp/lib``), so it is started from there rather than copied onto PATH. The launcher adds
 ``-m <kvp_cpp.default_model_path()>`` when no model is given, and, when no ``--tasks``/``--text`` is given, a small
 default sweep: RULER tasks generated once with ``kvp_cpp.ruler`` into a cache folder, policies
-``full,streaming,random`` and budgets ``256,512`` unless given. Every other argument goes to the binary unchanged.
+``full,streaming,random`` (and ``kvp``, the shipped learned policy, when one matches the model) and budgets
+``256,512`` unless given. In ``--policies``, ``kvp`` is replaced by ``kvp:PATH`` of that shipped policy. Every
+other argument goes to the binary unchanged.
 """
 from __future__ import annotations
 
@@ -66,14 +68,37 @@ def command(argv: Sequence[str]) -> List[str]:
         from ._paths import default_model_path
 
         args = ["-m", default_model_path()] + args
+    model_path = args[args.index("-m") + 1] if "-m" in args else args[args.index("--model") + 1]
     if not _has(args, "--tasks", "--text"):
-        model_path = args[args.index("-m") + 1] if "-m" in args else args[args.index("--model") + 1]
         args += ["--tasks", default_tasks_file(model_path)]
         if not _has(args, "--policies"):
-            args += ["--policies", DEFAULT_POLICIES]
+            args += ["--policies", default_policies(model_path)]
         if not _has(args, "--budgets"):
             args += ["--budgets", DEFAULT_BUDGETS]
+    if "--policies" in args:
+        at = args.index("--policies") + 1
+        args[at] = ",".join(_resolve_shipped(name, model_path) for name in args[at].split(","))
     return [binary_path()] + args
+
+
+def _resolve_shipped(name: str, model_path: str) -> str:
+    """``kvp`` names the shipped learned policy for the model; the binary takes it as kvp:PATH."""
+    from .llama import model_identity
+    from .shipped import SHIPPED_NAME, shipped_policy_for
+
+    return f"kvp:{shipped_policy_for(model_identity(model_path))}" if name == SHIPPED_NAME else name
+
+
+def default_policies(model_path: str) -> str:
+    """The default sweep's policies: with the shipped learned policy when one matches the model."""
+    from .llama import model_identity
+    from .shipped import shipped_policy_for
+
+    try:
+        shipped_policy_for(model_identity(model_path))
+    except ValueError:
+        return DEFAULT_POLICIES
+    return DEFAULT_POLICIES + ",kvp"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

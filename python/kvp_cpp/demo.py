@@ -78,9 +78,9 @@ def main(argv=None) -> int:
     parser.add_argument("-m", "--model", default=None, help="GGUF model (default: SmolLM2-135M-Instruct Q4_1)")
     parser.add_argument("--budget", type=int, default=512, help="KV cache budget in tokens (default 512)")
     parser.add_argument("--length", type=int, default=0, help="prompt length in tokens (default 4x budget)")
-    parser.add_argument("--policies", default="streaming,random-kvp",
-                        help="comma-separated: built-in names, .kvp.bin paths, or random-kvp (an untrained "
-                             "random-weight policy for this model, to show the learned-policy path)")
+    parser.add_argument("--policies", default="streaming,kvp",
+                        help="comma-separated: kvp (the shipped learned policy for the model), built-in names, "
+                             ".kvp.bin paths, or random-kvp (an untrained random-weight policy, for comparison)")
     parser.add_argument("--no-reference", action="store_true", help="skip the full-cache llama.cpp run")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("-t", "--threads", type=int, default=None)
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         run("llama.cpp, full cache", llama_cpp.Llama(model, n_ctx=length + 256, **common), prompt, value, 12)
     with tempfile.TemporaryDirectory() as tmp:
         for policy in filter(None, args.policies.split(",")):
-            label = policy
+            label = {"kvp": "KVP, the shipped learned policy"}.get(policy, policy)
             if policy == "random-kvp":
                 path = os.path.join(tmp, "random.kvp.bin")
                 policy_file.write_policy(path, policy_file.random_policy(**model_identity(model), hidden=(32,)))

@@ -17,6 +17,7 @@ import llama_cpp
 from llama_cpp import _internals as internals
 
 from . import _core
+from .shipped import SHIPPED_NAME, shipped_policy_for
 
 #: Logical tokens (everything ever evaluated in the sequence) a policy-driven Llama accepts by default. Only
 #: ``input_ids`` (4 bytes per token) grows with it; the KV cache stays at the budget.
@@ -110,8 +111,8 @@ class Llama(llama_cpp.Llama):
 
     Extra arguments (all keyword-only):
 
-    - ``kv_policy``: ``None`` (plain llama.cpp), a built-in name (see ``builtin_policies()``) or a path to a
-      ``.kvp.bin`` file trained for this model.
+    - ``kv_policy``: ``None`` (plain llama.cpp), ``"kvp"`` (the shipped learned policy for this model), a built-in
+      heuristic (see ``builtin_policies()``) or a path to a ``.kvp.bin`` file trained for this model.
     - ``kv_budget``: cells the sequence may hold, in tokens; defaults to ``n_ctx``. The context is allocated for
       exactly this budget (llama.cpp rounds it up to a multiple of 256).
     - ``kv_sink`` / ``kv_recent``: the first and the last tokens that are never evicted (defaults: the policy
@@ -161,8 +162,11 @@ class Llama(llama_cpp.Llama):
         self._requested_n_ctx = self.context_params.n_ctx  # before the context is resized to the budget
 
         budget = kv_budget if kv_budget is not None else self.context_params.n_ctx
+        policy = os.fspath(kv_policy)
+        if policy == SHIPPED_NAME:
+            policy = shipped_policy_for(_core.model_identity(_address(self._model.model)))
         engine = _core.Engine(
-            _address(self._model.model), os.fspath(kv_policy), int(budget),
+            _address(self._model.model), policy, int(budget),
             n_sink=-1 if kv_sink is None else int(kv_sink), n_recent=-1 if kv_recent is None else int(kv_recent),
             position_mode=kv_position_mode, evict_fraction=float(kv_evict_fraction), combine=kv_head_combine,
             compact_limit=int(kv_compact_limit), seed=int(kv_seed), kernel=kv_kernel, n_threads=int(kv_threads),
@@ -181,7 +185,7 @@ class Llama(llama_cpp.Llama):
         if not isinstance(policy, (str, os.PathLike)):
             raise ValueError(f"kv_policy must be a policy name or a path, not {type(policy).__name__}")
         policy = os.fspath(policy)
-        known = builtin_policies()
+        known = builtin_policies() + [SHIPPED_NAME]
         if policy not in known:
             if os.path.sep not in policy and "." not in policy:
                 raise ValueError(f"unknown kv_policy '{policy}': use one of {', '.join(known)}, or a .kvp.bin path")

@@ -1,0 +1,265 @@
+"""The trainer (training/): trace reader, Plackett–Luce / reward math, RLOO and supervised runs, export, evaluation."""
+import itertools
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+# The training package lives at the repository root, not in the installed kvp_cpp wheel.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kvp_cpp  # noqa: E402
+from kvp_cpp import policy_file as pf  # noqa: E402
+from training import evaluate as ev  # noqa: E402
+from training import rl  # noqa: E402
+from training import train as tr  # noqa: E402
+from training.traces import TraceFormatError, TraceSet, write_synthetic_traces  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    root = tmp_path_factory.mktemp("traces")
+    truth = write_synthetic_traces(root, seed=3)
+    return str(root), truth
+
+
+def run_training(traces_dir, out, *extra):
+    argv = ["--traces", traces_dir, "--out", str(out), "--hidden", "16", "--lr", "1e-2", "--seed", "0",
+            "--reproducible", "--quiet", *extra]  # fmt: skip
+    return tr.train(tr.parse_args(argv))
+
+
+@pytest.fixture(scope="module")
+def planted_run(synthetic, tmp_path_factory):
+    out = tmp_path_factory.mktemp("planted") / "policy.kvp.bin"
+    return out, run_training(synthetic[0], out, "--steps", "150")
+
+
+# --- trace reader -------------------------------------------------------------------------------------------------
+
+
+def test_trace_reader_round_trips_synthetic_traces(synthetic):
+    root, truth = synthetic
+    traces = TraceSet(root)
+    assert traces.identity() == {"arch": "synthetic", "n_layer": 2, "n_head_kv": 2, "head_dim_k": 8, "head_dim_v": 8,
+                                 "n_ctx_train": 192}  # fmt: skip
+    assert [s.split for s in traces.sequences] == truth.splits
+    heldout = [i for i, split in enumerate(truth.splits) if split == "heldout"]
+    assert traces.sequence_indices("heldout") == heldout and heldout
+    samples = list(traces.samples("heldout"))
+    assert len(samples) == len(heldout) * 3 * 2  # cuts x layers
+    for sample in samples:
+        seq, cut, layer = sample.sequence_id, sample.cut, sample.layer
+        np.testing.assert_array_equal(sample.k, truth.keys[seq][layer, :cut].transpose(1, 0, 2).astype(np.float32))
+        np.testing.assert_array_equal(sample.v, truth.values[seq][layer, :cut].transpose(1, 0, 2).astype(np.float32))
+        np.testing.assert_array_equal(sample.importance, truth.importance[seq][cut][layer])
+        np.testing.assert_array_equal(sample.positions, np.arange(cut))
+        assert sample.k.dtype == np.float32 and sample.k.shape == (2, cut, 8)
+    # the planted structure: log importance is linear in q · k
+    sample = samples[0]
+    logits = sample.k[0].astype(np.float64) @ truth.queries[sample.layer, 0]
+    assert np.corrcoef(np.log(sample.importance[0]), logits)[0, 1] > 0.9999
+
+
+def test_trace_reader_rejects_a_truncated_sequence(tmp_path):
+    write_synthetic_traces(tmp_path, n_sequences=2)
+    with open(tmp_path / "seq_00001" / "importance.f32", "r+b") as f:
+        f.truncate(100)
+    traces = TraceSet(tmp_path)
+    traces.read(0, 64, 1)
+    with pytest.raises(TraceFormatError, match="importance.f32 is 100 bytes"):
+        traces.read(1, 64, 0)
+
+
+# --- Plackett–Luce, reward, RLOO against brute force ------------------------------------------------------------
+
+
+def all_rankings(n, n_agents):
+    perms = torch.tensor(list(itertools.permutations(range(n))))
+    return perms.unsqueeze(1).expand(-1, n_agents, -1).contiguous()  # (n!, A, n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_plackett_luce_log_prob_is_the_product_formula_and_normalised(n):
+    scores = torch.randn(2, n, generator=torch.Generator().manual_seed(n), dtype=torch.float64) * 2
+    rankings = all_rankings(n, 2)
+    log_probs = rl.plackett_luce_log_prob(scores, rankings)
+    for agent in range(2):
+        for perm, log_prob in zip(rankings[:, agent].tolist(), log_probs[:, agent].tolist()):
+            s = scores[agent].tolist()
+            product = 1.0
+            for r in range(n):
+                product *= math.exp(s[perm[r]]) / sum(math.exp(s[t]) for t in perm[r:])
+            assert log_prob == pytest.approx(math.log(product), abs=1e-12)
+    torch.testing.assert_close(log_probs.exp().sum(0), torch.ones(2, dtype=torch.float64))
+
+
+def test_gumbel_sort_samples_the_plackett_luce_distribution():
+    scores = torch.tensor([[1.0, 0.0, -0.5]], dtype=torch.float64)
+    rankings = rl.gumbel_rankings(scores, 40000, torch.Generator().manual_seed(0))
+    expected = rl.plackett_luce_log_prob(scores, all_rankings(3, 1)).exp()[:, 0]
+    for perm, probability in zip(itertools.permutations(range(3)), expected.tolist()):
+        frequency = (rankings[:, 0] == torch.tensor(perm)).all(-1).double().mean().item()
+        assert frequency == pytest.approx(probability, abs=0.01)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_cost_is_evicted_importance_over_all_budgets_and_oracle_is_minimal(n):
+    importance = torch.rand(3, n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    importance[2] = 0.0
+    importance[2, 1] = 1.0  # one important token: the optimal cost is 0
+    rankings = all_rankings(n, 3)
+    costs = rl.ranking_cost(importance, rankings)
+    for agent in range(3):
+        for perm, cost in zip(rankings[:, agent].tolist(), costs[:, agent].tolist()):
+            evicted = sum(importance[agent, perm[budget:]].sum().item() for budget in range(1, n))
+            assert cost == pytest.approx(evicted, abs=1e-12)
+    torch.testing.assert_close(rl.oracle_cost(importance), costs.min(0).values)
+    rewards = rl.normalised_rewards(importance, rankings)
+    torch.testing.assert_close(rewards[:, :2].max(0).values, -torch.ones(2, dtype=torch.float64))
+    assert (rewards[:, :2] <= -1 + 1e-12).all()
+    assert (rewards[:, 2] == 0).all()  # C(σ*) = 0: no reward signal
+
+
+def test_rloo_advantage_leaves_one_out():
+    rewards = torch.tensor([[[-1.0, -2.0], [-3.0, -2.0], [-2.0, -5.0], [-6.0, -3.0]]])  # (B=1, K=4, A=2)
+    advantages = rl.rloo_advantages(rewards)
+    for k in range(4):
+        others = torch.cat([rewards[0, :k], rewards[0, k + 1 :]])
+        torch.testing.assert_close(advantages[0, k], rewards[0, k] - others.mean(0))
+
+
+def test_policy_gradient_raises_the_scores_of_important_tokens():
+    # From equal scores, by symmetry, the expected ascent direction of token i is affine in I_i with a positive
+    # slope: tokens more important than average go up, the others down.
+    scores = torch.zeros(1, 4, requires_grad=True)
+    importance = torch.tensor([[0.1, 4.0, 0.5, 2.0]])
+    rankings = rl.gumbel_rankings(scores, 1024, torch.Generator().manual_seed(1))
+    loss = rl.policy_gradient_loss(rl.plackett_luce_log_prob(scores, rankings)[None],
+                                   rl.normalised_rewards(importance, rankings)[None])  # fmt: skip
+    loss.backward()
+    ascent = -scores.grad[0]
+    assert torch.equal(torch.argsort(ascent), torch.argsort(importance[0]))
+    assert ascent[3] > 0 > ascent[2]
+
+
+def test_per_agent_gradient_clipping_leaves_other_agents_alone():
+    weight = torch.zeros(2, 3, 4, requires_grad=True)
+    bias = torch.zeros(2, 1, 4, requires_grad=True)
+    weight.grad = torch.ones(2, 3, 4)
+    weight.grad[0] *= 10.0
+    bias.grad = torch.zeros(2, 1, 4)
+    norms = rl.clip_grad_norm_per_agent_([weight, bias], 5.0)
+    torch.testing.assert_close(norms, torch.tensor([10.0 * math.sqrt(12), math.sqrt(12)]))
+    assert weight.grad[0].norm().item() == pytest.approx(5.0, rel=1e-5)
+    torch.testing.assert_close(weight.grad[1], torch.ones(3, 4))
+
+
+# --- evaluation -----------------------------------------------------------------------------------------------------
+
+
+def test_evicted_importance_per_budget():
+    importance = np.array([[1.0, 5.0, 2.0, 0.5, 3.0]])
+    scores = np.array([[0.0, 4.0, 1.0, 3.0, 2.0]])  # keeps 1, 3, 4, 2, 0 in that order
+    evicted = ev.evicted_importance(importance, scores, [0.2, 0.4, 0.6, 0.8, 0.0, 1.0])
+    np.testing.assert_allclose(evicted[0], [6.5, 6.0, 3.0, 1.0, 11.5, 0.0])
+
+
+def test_baselines_only_evaluation_has_oracle_at_one(synthetic):
+    result = ev.evaluate(TraceSet(synthetic[0]))
+    assert result["methods"] == ["random", "streaming", "knorm", "oracle"]
+    assert result["per_head"]["oracle"]["mean"] == [1.0] * len(ev.BUDGETS)
+    for method in ("random", "streaming", "knorm"):
+        assert result["per_head"][method]["mean_over_budgets"] > 3.0
+    assert np.array(result["per_head"]["random"]["cost"]).shape == (2, 2, len(ev.BUDGETS))
+
+
+def test_input_statistics_are_the_training_inputs_mean_and_inverse_std(synthetic):
+    root, truth = synthetic
+    traces = TraceSet(root)
+    features = pf.default_pos_features(traces.n_ctx_train)
+    shift, scale = tr.input_statistics(traces, [1], features, n_sink=4, max_tokens=10**6)
+    inputs = []
+    for index in traces.sequence_indices("train"):
+        end = max(traces.sequences[index].cuts)
+        k = truth.keys[index][1, 4:end].astype(np.float64)  # (T, H, d)
+        v = truth.values[index][1, 4:end].astype(np.float64)
+        pos = np.broadcast_to(pf.pos_features(features, np.arange(4, end))[:, None, :], (end - 4, 2, len(features)))
+        inputs.append(np.concatenate([k, v, pos], axis=-1))
+    inputs = np.concatenate(inputs)  # (tokens, H, D)
+    np.testing.assert_allclose(shift, inputs.mean(axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(scale, 1.0 / inputs.std(axis=0), rtol=1e-4)
+
+
+def test_learning_rate_schedule_warms_up_then_decays_to_the_floor():
+    factor = tr.warmup_cosine(warmup=10, steps=110, lr=1e-3, min_lr=1e-6)
+    assert factor(0) == pytest.approx(0.01)
+    assert factor(5) == pytest.approx(0.505)
+    assert factor(10) == pytest.approx(1.0)
+    assert factor(60) == pytest.approx((1.0 + 1e-3) / 2)
+    assert factor(110) == pytest.approx(1e-3)
+
+
+# --- training runs ----------------------------------------------------------------------------------------------
+
+
+def test_rl_training_learns_the_planted_ranking(planted_run):
+    out, result = planted_run
+    per_head = result.evaluation["per_head"]
+    kvp, random = per_head["kvp"]["mean_over_budgets"], per_head["random"]["mean_over_budgets"]
+    assert random > 5.0
+    assert kvp - 1.0 < 0.05 * (random - 1.0), (kvp, random)
+    shared = result.evaluation["shared"]
+    assert shared["kvp"]["mean_over_budgets"] < 1.3 * shared["oracle"]["mean_over_budgets"]
+    written = pf.read_policy(out)
+    assert written.metadata["steps"] == 150 and written.metadata["objective"] == "rl"
+    assert written.metadata["heldout"]["per_head"]["kvp"]["mean_over_budgets"] == pytest.approx(kvp)
+    assert "wall_time_s" not in written.metadata  # --reproducible
+
+
+def test_supervised_baseline_learns_the_planted_ranking(synthetic, tmp_path):
+    result = run_training(synthetic[0], tmp_path / "sup.kvp.bin", "--objective", "supervised", "--steps", "60")
+    per_head = result.evaluation["per_head"]
+    assert per_head["kvp"]["mean_over_budgets"] - 1.0 < 0.05 * (per_head["random"]["mean_over_budgets"] - 1.0)
+    assert pf.read_policy(tmp_path / "sup.kvp.bin").metadata["objective"] == "supervised"
+
+
+def test_exported_policy_scores_match_the_torch_model(planted_run, synthetic):
+    out, result = planted_run
+    trainer = result.trainer
+    scorer = kvp_cpp.Scorer(kvp_cpp.load_policy(str(out)), kernel="auto", n_threads=1)
+    traces = TraceSet(synthetic[0])
+    index, cut = traces.prefixes("heldout")[0]
+    inputs, _, _ = trainer.prefix_tensors(index, cut)
+    with torch.no_grad():
+        expected = trainer.model(inputs).numpy()  # (L·H, c)
+    for slot, layer in enumerate(trainer.layers):
+        trace = traces.read(index, cut, layer)
+        scores = scorer.score_layer(layer, trace.k.transpose(1, 0, 2).copy(), trace.v.transpose(1, 0, 2).copy(),
+                                    trace.positions)  # fmt: skip
+        reference = expected[slot * traces.n_head_kv : (slot + 1) * traces.n_head_kv].T
+        np.testing.assert_allclose(scores, reference, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(reference).max())))
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(synthetic, tmp_path):
+    for name, seed in (("a", "0"), ("b", "0"), ("c", "1")):
+        run_training(synthetic[0], tmp_path / f"{name}.kvp.bin", "--steps", "12", "--seed", seed)
+    a, b, c = ((tmp_path / f"{name}.kvp.bin").read_bytes() for name in "abc")
+    assert a == b
+    assert a != c
+
+
+def test_resume_equals_an_uninterrupted_run(synthetic, tmp_path):
+    steps = ["--steps", "16", "--checkpoint-every", "5"]
+    run_training(synthetic[0], tmp_path / "full.kvp.bin", *steps)
+    stopped = run_training(synthetic[0], tmp_path / "split.kvp.bin", *steps, "--stop-at", "8")
+    assert stopped.policy is None and not (tmp_path / "split.kvp.bin").exists()
+    resumed = run_training(synthetic[0], tmp_path / "split.kvp.bin", *steps, "--resume")
+    assert resumed.trainer.step == 16
+    assert (tmp_path / "split.kvp.bin").read_bytes() == (tmp_path / "full.kvp.bin").read_bytes()
+    with pytest.raises(ValueError, match="another run"):
+        run_training(synthetic[0], tmp_path / "split.kvp.bin", "--steps", "16", "--seed", "5", "--resume")

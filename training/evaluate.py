@@ -1,0 +1,244 @@
+"""Held-out evaluation of an eviction policy against attention-free baselines and the oracle.
+
+    python -m training.evaluate --traces traces-smollm2 --policy policy.kvp.bin --json eval.json --plot eval.png
+
+For every held-out prefix, (layer, KV head) and budget fraction b, the eviction cost C_b is the importance of the
+rankable tokens evicted when only the top round(b·n) of them are kept (the first n_sink and last n_recent tokens are
+never ranked, as at inference). A method's normalised cost for a (layer, head, b) is Σ C_b / Σ C_b(σ*) over the
+prefixes (a ratio of sums: single prefixes with a near-zero optimal cost would dominate a mean of ratios); the
+oracle σ* sorts by importance, so its normalised cost is 1. The per-head numbers are averaged over heads.
+
+Methods: "kvp" (the policy, scored by the runtime's kvp_cpp.Scorer), "random", "streaming" (keep the most recent),
+"knorm" (keep the lowest key L2 norm) and "oracle". Two modes: "per_head" ranks each head by its own scores;
+"shared" keeps one token set for every head of every layer, ranked by Σ over heads of the per-head softmax over
+tokens (the runtime's sum_softmax head combination), and reports the cost of that ranking for each head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+import kvp_cpp
+from kvp_cpp import policy_file as pf
+
+from .traces import LayerTrace, TraceSet
+
+__all__ = [
+    "BUDGETS", "BASELINES", "MODES", "baseline_scores", "evicted_importance", "policy_score_fn", "evaluate", "summary",
+    "plot", "print_table",
+]  # fmt: skip
+
+BUDGETS = tuple(round(0.1 * i, 1) for i in range(1, 10))
+BASELINES = ("random", "streaming", "knorm")
+MODES = ("per_head", "shared")
+DEFAULT_SINK, DEFAULT_RECENT = 4, 16
+
+
+def baseline_scores(method: str, trace: LayerTrace, rng: np.random.Generator) -> np.ndarray:
+    """(H, c) keep-scores of an attention-free baseline (or the oracle) for every token of a prefix."""
+    n_head, n_tokens = trace.importance.shape
+    if method == "random":
+        return rng.random((n_head, n_tokens))
+    if method == "streaming":
+        return np.broadcast_to(trace.positions.astype(np.float64), (n_head, n_tokens))
+    if method == "knorm":
+        return -np.linalg.norm(trace.k.astype(np.float64), axis=-1)
+    if method == "oracle":
+        # log importance: its per-head softmax is the normalised importance, which the shared mode then sums.
+        return np.log(np.maximum(trace.importance.astype(np.float64), np.finfo(np.float64).tiny))
+    raise ValueError(f"unknown method {method!r}")
+
+
+def evicted_importance(importance: np.ndarray, scores: np.ndarray, budgets: Sequence[float]) -> np.ndarray:
+    """(H, B) importance evicted from each head's n tokens when the top round(b·n) by score are kept."""
+    order = np.argsort(-scores, axis=-1, kind="stable")
+    kept = np.cumsum(np.take_along_axis(importance.astype(np.float64), order, axis=-1), axis=-1)
+    total = kept[:, -1:]
+    n = importance.shape[-1]
+    n_kept = np.array([int(round(b * n)) for b in budgets])
+    kept_at = np.where(n_kept > 0, kept[:, np.maximum(n_kept - 1, 0)], 0.0)
+    return total - kept_at
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+def policy_score_fn(policy: pf.PolicyData) -> Callable[[LayerTrace], np.ndarray]:
+    """(H, c) scores of a policy by the runtime's scorer, on exactly the bytes a kvp.bin of it holds."""
+    scorer = kvp_cpp.Scorer(kvp_cpp.parse_policy(pf.encode_policy(policy)), n_threads=1)
+
+    def score(trace: LayerTrace) -> np.ndarray:
+        k = np.ascontiguousarray(trace.k.transpose(1, 0, 2))
+        v = np.ascontiguousarray(trace.v.transpose(1, 0, 2))
+        return scorer.score_layer(trace.layer, k, v, trace.positions).T
+
+    return score
+
+
+def evaluate(
+    traces: TraceSet,
+    policy: Optional[pf.PolicyData] = None,
+    *,
+    split: str = "heldout",
+    layers: Optional[Sequence[int]] = None,
+    max_prefixes: Optional[int] = None,
+    seed: int = 0,
+) -> dict:
+    """Normalised eviction costs of the policy (if given), the baselines and the oracle on one split."""
+    if policy is not None:
+        if policy.identity() != traces.identity():
+            raise ValueError(f"policy identity {policy.identity()} does not match the traces' {traces.identity()}")
+        n_sink, n_recent = policy.n_sink, policy.n_recent
+        scored = [layer for layer in range(policy.n_layer) if policy.layer_scored[layer]]
+        layers = scored if layers is None else [layer for layer in layers if layer in scored]
+    else:
+        n_sink, n_recent = DEFAULT_SINK, DEFAULT_RECENT
+        layers = list(range(traces.n_layer)) if layers is None else list(layers)
+    prefixes = [(i, cut) for i, cut in traces.prefixes(split) if cut > n_sink + n_recent]
+    if max_prefixes is not None:
+        prefixes = prefixes[:max_prefixes]
+    if not prefixes or not layers:
+        raise ValueError(f"nothing to evaluate: {len(prefixes)} prefixes of split {split!r}, layers {layers}")
+
+    methods = (["kvp"] if policy is not None else []) + list(BASELINES) + ["oracle"]
+    score_kvp = policy_score_fn(policy) if policy is not None else None
+    rng = np.random.default_rng(seed)
+    shape = (len(layers), traces.n_head_kv, len(BUDGETS))
+    evicted = {mode: {method: np.zeros(shape) for method in methods} for mode in MODES}
+    optimal = np.zeros(shape)
+
+    for index, cut in prefixes:
+        rankable = slice(n_sink, cut - n_recent)
+        layer_traces = traces.read_prefix(index, cut, layers)
+        importance = [t.importance[:, rankable] for t in layer_traces]
+        combined = {method: 0.0 for method in methods}
+        for slot, trace in enumerate(layer_traces):
+            optimal[slot] += evicted_importance(importance[slot], importance[slot], BUDGETS)
+            for method in methods:
+                scores = score_kvp(trace) if method == "kvp" else baseline_scores(method, trace, rng)
+                scores = np.asarray(scores, dtype=np.float64)[:, rankable]
+                evicted["per_head"][method][slot] += evicted_importance(importance[slot], scores, BUDGETS)
+                combined[method] = combined[method] + _softmax(scores).sum(axis=0)
+        for method in methods:
+            for slot in range(len(layers)):
+                shared = np.broadcast_to(combined[method], importance[slot].shape)
+                evicted["shared"][method][slot] += evicted_importance(importance[slot], shared, BUDGETS)
+
+    result = {
+        "split": split,
+        "n_prefixes": len(prefixes),
+        "n_sink": n_sink,
+        "n_recent": n_recent,
+        "budgets": list(BUDGETS),
+        "layers": list(layers),
+        "methods": methods,
+    }
+    for mode in MODES:
+        result[mode] = {}
+        for method in methods:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                # Nothing evicted where nothing could be: 1; something evicted where nothing had to be: undefined.
+                ratio = np.where(optimal > 0, evicted[mode][method] / optimal,
+                                 np.where(evicted[mode][method] > 0, np.nan, 1.0))  # fmt: skip
+            mean = np.nanmean(ratio.reshape(-1, len(BUDGETS)), axis=0)
+            result[mode][method] = {
+                "cost": _json_floats(ratio),
+                "mean": _json_floats(mean),
+                "mean_over_budgets": _json_floats(np.nanmean(mean)),
+            }
+    return result
+
+
+def _json_floats(values):
+    """Nested lists of floats (NaN → None, which JSON can hold)."""
+    array = np.asarray(values, dtype=np.float64)
+    if array.ndim == 0:
+        value = float(array)
+        return None if math.isnan(value) else round(value, 6)
+    return [_json_floats(row) for row in array]
+
+
+def summary(result: dict) -> dict:
+    """The head-averaged curves of every method and mode, for a policy file's metadata."""
+    return {
+        "split": result["split"],
+        "n_prefixes": result["n_prefixes"],
+        "budgets": result["budgets"],
+        **{
+            mode: {method: {k: v for k, v in entry.items() if k != "cost"} for method, entry in result[mode].items()}
+            for mode in MODES
+        },
+    }
+
+
+def plot(result: dict, path: str) -> bool:
+    """A PNG of normalised cost against budget, one panel per mode; False (with a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
+        return False
+    figure, axes = plt.subplots(1, len(MODES), figsize=(11, 4.2), sharey=True)
+    for axis, mode in zip(axes, MODES):
+        for method in result["methods"]:
+            mean = [np.nan if value is None else value for value in result[mode][method]["mean"]]
+            axis.plot(result["budgets"], mean, marker="o", label=method)
+        axis.set_yscale("log")
+        axis.set_xlabel("kept fraction of the rankable tokens")
+        axis.set_title(f"{mode.replace('_', '-')} ranking ({result['n_prefixes']} {result['split']} prefixes)")
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("evicted importance / oracle's (mean over heads)")
+    axes[0].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def print_table(result: dict) -> None:
+    header = "method".ljust(10) + "".join(f"{b:>9.1f}" for b in result["budgets"]) + "     mean"
+    for mode in MODES:
+        print(f"{mode} ranking, normalised eviction cost ({result['n_prefixes']} {result['split']} prefixes)")
+        print(header)
+        for method in result["methods"]:
+            entry = result[mode][method]
+            cells = "".join(f"{value:>9.4g}" if value is not None else "      n/a" for value in entry["mean"])
+            mean = entry["mean_over_budgets"]
+            print(method.ljust(10) + cells + (f"{mean:>9.4g}" if mean is not None else "      n/a"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--traces", required=True, help="trace directory (docs/traces.md)")
+    parser.add_argument("--policy", help="kvp.bin policy to evaluate (omit for the baselines only)")
+    parser.add_argument("--split", default="heldout", choices=("train", "heldout"))
+    parser.add_argument("--max-prefixes", type=int, help="evaluate only the first N prefixes of the split")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random baseline")
+    parser.add_argument("--json", help="write the full result here")
+    parser.add_argument("--plot", help="write a PNG plot here")
+    args = parser.parse_args(argv)
+    traces = TraceSet(args.traces)
+    policy = pf.read_policy(args.policy) if args.policy else None
+    result = evaluate(traces, policy, split=args.split, max_prefixes=args.max_prefixes, seed=args.seed)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+    print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
