@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
@@ -147,6 +148,9 @@ class Llama(llama_cpp.Llama):
         **kwargs: Any,
     ):
         self._kvp_engine: Optional[_core.Engine] = None
+        self._kvp_owner: Optional[int] = None  # the thread using this instance (see _use)
+        self._kvp_depth = 0
+        self._kvp_guard = threading.Lock()
         self._kvp_args = dict(
             kv_policy=kv_policy, kv_budget=kv_budget, kv_sink=kv_sink, kv_recent=kv_recent,
             kv_position_mode=kv_position_mode, kv_evict_fraction=kv_evict_fraction, kv_head_combine=kv_head_combine,
@@ -162,7 +166,7 @@ class Llama(llama_cpp.Llama):
         self._requested_n_ctx = self.context_params.n_ctx  # before the context is resized to the budget
 
         budget = kv_budget if kv_budget is not None else self.context_params.n_ctx
-        policy = os.fspath(kv_policy)
+        policy = self._kvp_args["kv_policy"]
         if policy == SHIPPED_NAME:
             policy = shipped_policy_for(_core.model_identity(_address(self._model.model)))
         engine = _core.Engine(
@@ -185,6 +189,13 @@ class Llama(llama_cpp.Llama):
         if not isinstance(policy, (str, os.PathLike)):
             raise ValueError(f"kv_policy must be a policy name or a path, not {type(policy).__name__}")
         policy = os.fspath(policy)
+        if isinstance(policy, bytes):
+            policy = os.fsdecode(policy)
+        try:
+            policy.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"kv_policy path {policy!r} is not valid UTF-8; rename the policy file") from None
+        self._kvp_args["kv_policy"] = policy
         known = builtin_policies() + [SHIPPED_NAME]
         if policy not in known:
             if os.path.sep not in policy and "." not in policy:
@@ -231,11 +242,53 @@ class Llama(llama_cpp.Llama):
 
     # --- the decode path ----------------------------------------------------------------------------------------
 
+    # --- one thread at a time ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _use(self):
+        """Marks this instance as used by the calling thread for the duration of a call (re-entrant).
+
+        Neither llama.cpp's context nor the engine may be driven from two threads at once, and a generation from
+        one thread interleaved with calls from another would silently mix their caches. A second thread is refused
+        with a RuntimeError while the first one is inside a call or holds an unfinished ``generate()``.
+        """
+        if self._kvp_engine is None:
+            yield
+            return
+        if self._ctx is None or self._ctx.ctx is None:
+            raise RuntimeError("this Llama is closed")
+        me = threading.get_ident()
+        with self._kvp_guard:
+            if self._kvp_owner not in (None, me):
+                raise RuntimeError("this Llama is in use by another thread; a kv_policy Llama serves one thread at "
+                                   "a time (use one instance per thread, or serialise the calls)")
+            self._kvp_owner = me
+            self._kvp_depth += 1
+        try:
+            yield
+        finally:
+            with self._kvp_guard:
+                self._kvp_depth -= 1
+                if self._kvp_depth == 0:
+                    self._kvp_owner = None
+
+    def generate(self, tokens, *args, **kwargs):
+        if self._kvp_engine is None:
+            yield from super().generate(tokens, *args, **kwargs)
+            return
+        with self._use():
+            yield from super().generate(tokens, *args, **kwargs)
+
+    # --- the decode path ----------------------------------------------------------------------------------------
+
     def eval(self, tokens: Sequence[int]):
         engine = self._kvp_engine
         if engine is None:
             return super().eval(tokens)
-        tokens = list(tokens)
+        with self._use():
+            self._eval_under_budget(engine, list(tokens))
+
+    def _eval_under_budget(self, engine: "_core.Engine", tokens: list) -> None:
         if not engine.truncate(self.n_tokens):
             # Part of the kept prefix was evicted: replay the logical history under the budget.
             tokens = self.input_ids[: self.n_tokens].tolist() + tokens
@@ -278,16 +331,19 @@ class Llama(llama_cpp.Llama):
             self.input_ids = grown
 
     def reset(self):
-        super().reset()
-        if self._kvp_engine is not None:
+        if self._kvp_engine is None:
+            return super().reset()
+        with self._use():
+            super().reset()
             self._kvp_engine.reset()
 
     # --- state --------------------------------------------------------------------------------------------------
 
     def save_state(self) -> llama_cpp.LlamaState:
-        state = super().save_state()
         if self._kvp_engine is None:
-            return state
+            return super().save_state()
+        with self._use():
+            state = super().save_state()
         return KvpLlamaState(
             input_ids=state.input_ids, scores=state.scores, n_tokens=state.n_tokens, llama_state=state.llama_state,
             llama_state_size=state.llama_state_size, seed=state.seed, kv_engine_state=self._kvp_engine.save(),
@@ -296,8 +352,10 @@ class Llama(llama_cpp.Llama):
     def load_state(self, state: llama_cpp.LlamaState) -> None:
         if self._kvp_engine is not None and not isinstance(state, KvpLlamaState):
             raise ValueError("this state was saved without a kv_policy; it cannot be loaded into a policy-driven Llama")
-        super().load_state(state)
-        if self._kvp_engine is not None:
+        if self._kvp_engine is None:
+            return super().load_state(state)
+        with self._use():
+            super().load_state(state)
             self._kvp_engine.restore(state.kv_engine_state)
 
     def __getstate__(self):
@@ -310,8 +368,11 @@ class Llama(llama_cpp.Llama):
     def create_completion(self, prompt, suffix=None, max_tokens=16, *args, **kwargs):
         # llama-cpp-python reads max_tokens None or <= 0 as "until the context is full". Under a policy the cache
         # never fills, so that would mean up to kv_max_tokens; it means up to kv_budget new tokens instead.
-        if self._kvp_engine is not None and (max_tokens is None or max_tokens <= 0):
-            max_tokens = self._kvp_engine.stats()["budget"]
+        if self._kvp_engine is None:
+            return super().create_completion(prompt, suffix, max_tokens, *args, **kwargs)
+        with self._use():  # refuses a closed instance before llama.cpp sees a freed context
+            if max_tokens is None or max_tokens <= 0:
+                max_tokens = self._kvp_engine.stats()["budget"]
         return super().create_completion(prompt, suffix, max_tokens, *args, **kwargs)
 
     def close(self) -> None:
@@ -331,7 +392,12 @@ class Llama(llama_cpp.Llama):
         it (with or without the question), then compress. Returns the number of tokens evicted."""
         if self._kvp_engine is None:
             raise ValueError("kv_compress() needs a kv_policy")
-        return self._kvp_engine.compress(int(budget))
+        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+            raise ValueError(f"kv_compress() needs an integer budget, got {budget!r}")
+        if not -(1 << 62) < budget < (1 << 62):  # the engine checks the rest, in int64
+            raise ValueError(f"cannot compress to {budget} cells: far beyond any context")
+        with self._use():
+            return self._kvp_engine.compress(int(budget))
 
     def kv_stats(self) -> Dict[str, Any]:
         """Cells in use, budget, KV bytes allocated, tokens seen and evicted, and where the engine's time went."""

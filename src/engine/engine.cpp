@@ -87,9 +87,10 @@ Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy,
         protection.n_recent = n_swa;
         window_note = " (kv_recent is raised to the model's sliding window, " + std::to_string(n_swa) + " tokens)";
     }
-    if (config_.budget < int64_t(protection.n_sink) + protection.n_recent + 1)
+    const int64_t min_budget = int64_t(protection.n_sink) + int64_t(protection.n_recent) + 1;  // no u32 wrap
+    if (config_.budget < min_budget)
         throw std::invalid_argument("kv_budget " + std::to_string(config_.budget) + " must be at least kv_sink + kv_recent + 1 = " +
-                                    std::to_string(protection.n_sink + protection.n_recent + 1) + window_note);
+                                    std::to_string(min_budget) + window_note);
     if (!(config_.evict_fraction >= 0.0 && config_.evict_fraction <= 1.0))
         throw std::invalid_argument("kv_evict_fraction must be in [0, 1]");
     if (config_.compact_limit <= 0) config_.compact_limit = identity_.n_ctx_train;
@@ -377,9 +378,10 @@ int64_t Engine::compress(int64_t budget) {
     require_attached();
     if (in_batch_) throw std::logic_error("compress during a batch");
     const Protection& protection = config_.protection;
-    if (budget < int64_t(protection.n_sink) + protection.n_recent + 1)
+    const int64_t min_budget = int64_t(protection.n_sink) + int64_t(protection.n_recent) + 1;
+    if (budget < min_budget)
         throw std::invalid_argument("cannot compress to " + std::to_string(budget) + " cells: kv_sink + kv_recent + 1 = " +
-                                    std::to_string(protection.n_sink + protection.n_recent + 1));
+                                    std::to_string(min_budget));
     if (budget > int64_t(llama_n_ctx(ctx_)))
         throw std::invalid_argument("cannot compress to " + std::to_string(budget) + " cells: the context has " +
                                     std::to_string(llama_n_ctx(ctx_)));

@@ -1,0 +1,397 @@
+// C++ core tests, built and run under AddressSanitizer + UndefinedBehaviorSanitizer by ci/sanitizers.sh:
+//
+//     test_core POLICY.kvp.bin...    (files written by the Python writer, kvp_cpp.policy_file)
+//
+// For every file: the loaded Policy, encoded again by the minimal writer below, is byte-identical to the file, and
+// every kernel set's scores match a double-precision re-computation written out here from the spec. Then the
+// evictor on hand-made ledgers, and the ledger's image round trip and its rejection of corrupt images.
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvp/evictor.h"
+#include "kvp/format.h"
+#include "kvp/kernels.h"
+#include "kvp/ledger.h"
+#include "kvp/scorer.h"
+
+namespace {
+
+int g_checks = 0;
+int g_failures = 0;
+
+#define CHECK(condition)                                                                   \
+    do {                                                                                   \
+        ++g_checks;                                                                        \
+        if (!(condition)) {                                                                \
+            ++g_failures;                                                                  \
+            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #condition); \
+        }                                                                                  \
+    } while (0)
+
+template <typename Exception, typename Fn>
+bool throws(Fn&& fn) {
+    try {
+        fn();
+    } catch (const Exception&) {
+        return true;
+    }
+    return false;
+}
+
+std::vector<uint8_t> read_file(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw std::runtime_error("cannot open " + path);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// --- format: encode a parsed Policy again ------------------------------------------------------------------------
+
+class ByteWriter {
+public:
+    void u32(uint32_t v) { little_endian(v, 4); }
+    void u64(uint64_t v) { little_endian(v, 8); }
+    void f32(float v) { u32(std::bit_cast<uint32_t>(v)); }
+    void f16(float v) { little_endian(half_bits(v), 2); }
+    void raw(const void* data, size_t n) {
+        const auto* p = static_cast<const uint8_t*>(data);
+        bytes.insert(bytes.end(), p, p + n);
+    }
+    std::vector<uint8_t> bytes;
+
+private:
+    void little_endian(uint64_t v, int n) {
+        for (int i = 0; i < n; ++i) bytes.push_back(uint8_t(v >> (8 * i)));
+    }
+    // The loader widened every f16 exactly, so narrowing back must be exact too; anything else is a failed check.
+    static uint16_t half_bits(float value) {
+        const uint32_t bits = std::bit_cast<uint32_t>(value);
+        const uint16_t sign = uint16_t((bits >> 16) & 0x8000u);
+        const float magnitude = std::fabs(value);
+        if (magnitude == 0.0f) return sign;
+        if (magnitude < 0x1p-14f) {  // subnormal: mantissa * 2^-24
+            const float mantissa = magnitude * 0x1p24f;
+            CHECK(mantissa == std::floor(mantissa));
+            return uint16_t(sign | uint16_t(mantissa));
+        }
+        const int exponent = int((bits >> 23) & 0xffu) - 127 + 15;
+        CHECK(exponent >= 1 && exponent <= 30 && (bits & 0x1fffu) == 0);
+        return uint16_t(sign | (exponent << 10) | ((bits >> 13) & 0x3ffu));
+    }
+};
+
+std::vector<uint8_t> encode(const kvp::Policy& policy) {
+    const kvp::ModelIdentity& id = policy.identity;
+    ByteWriter w;
+    w.raw(kvp::kPolicyMagic, sizeof kvp::kPolicyMagic);
+    w.u32(kvp::kPolicyVersion);
+    w.u32(kvp::kHeaderBytes);
+    w.u64(0);  // file_bytes, stamped below
+    char arch[32] = {};
+    std::memcpy(arch, id.arch.data(), std::min(id.arch.size(), sizeof arch - 1));
+    w.raw(arch, sizeof arch);
+    for (uint32_t v : {id.n_layer, id.n_head_kv, id.head_dim_k, id.head_dim_v, id.n_ctx_train}) w.u32(v);
+    w.u32(uint32_t(policy.pos_features.size()));
+    w.u32(uint32_t(policy.hidden.size() + 1));
+    for (size_t j = 0; j < kvp::kMaxDense - 1; ++j) w.u32(j < policy.hidden.size() ? policy.hidden[j] : 0);
+    w.u32(uint32_t(policy.activation));
+    w.u32(uint32_t(policy.weight_dtype));
+    w.u32(policy.n_sink);
+    w.u32(policy.n_recent);
+    w.u64(policy.metadata_json.size());
+    w.u64(0);  // reserved
+    for (const kvp::PosFeature& feature : policy.pos_features) {
+        w.u32(uint32_t(feature.kind));
+        w.f32(feature.a);
+    }
+    for (bool scored : policy.layer_scored) w.u32(scored ? 1 : 0);
+    const bool f16 = policy.weight_dtype == kvp::WeightDtype::f16;
+    for (uint32_t layer = 0; layer < id.n_layer; ++layer) {
+        if (!policy.layer_scored[layer]) continue;
+        for (uint32_t head = 0; head < id.n_head_kv; ++head) {
+            const kvp::Agent& agent = policy.agent(layer, head);
+            for (float v : agent.shift) w.f32(v);
+            for (float v : agent.scale) w.f32(v);
+            for (const kvp::DenseLayer& dense : agent.dense) {
+                for (const std::vector<float>* values : {&dense.weight, &dense.bias})
+                    for (float v : *values) f16 ? w.f16(v) : w.f32(v);
+            }
+        }
+    }
+    w.raw(policy.metadata_json.data(), policy.metadata_json.size());
+    const uint64_t file_bytes = w.bytes.size() + 4;
+    for (int i = 0; i < 8; ++i) w.bytes[16 + i] = uint8_t(file_bytes >> (8 * i));
+    w.u32(kvp::crc32_ieee(w.bytes.data(), w.bytes.size()));
+    return w.bytes;
+}
+
+void test_format_round_trip(const std::string& path, const std::vector<uint8_t>& file, const kvp::Policy& policy) {
+    CHECK(encode(policy) == file);
+    const kvp::Policy parsed = kvp::parse_policy(file.data(), file.size());
+    CHECK(parsed.identity == policy.identity && parsed.metadata_json == policy.metadata_json);
+    // Every strict prefix is refused cleanly (the exactly sized copy lets ASan see any read past its end).
+    for (size_t size = 0; size < file.size(); size += 1 + size / 16) {
+        const std::vector<uint8_t> prefix(file.begin(), file.begin() + ptrdiff_t(size));
+        CHECK(throws<kvp::FormatError>([&] { kvp::parse_policy(prefix.data(), prefix.size()); }));
+    }
+    std::printf("  format round trip: %s (%zu bytes, %s)\n", path.c_str(), file.size(),
+                policy.weight_dtype == kvp::WeightDtype::f16 ? "f16" : "f32");
+}
+
+// --- scorer against a scalar re-computation ----------------------------------------------------------------------
+
+double activate(kvp::Activation act, double x) {
+    switch (act) {
+        case kvp::Activation::relu: return x > 0 ? x : 0.0;
+        case kvp::Activation::silu: return x / (1.0 + std::exp(-x));
+        case kvp::Activation::gelu_tanh:
+            return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
+        case kvp::Activation::tanh: return std::tanh(x);
+    }
+    throw std::logic_error("unknown activation");
+}
+
+// docs/kvp-bin-format.md: position features in double, rounded to f32.
+float position_feature(const kvp::PosFeature& feature, int64_t position) {
+    const double p = double(position), a = feature.a;
+    switch (feature.kind) {
+        case kvp::PosFeatureKind::linear: return float(p / a);
+        case kvp::PosFeatureKind::log: return float(std::log1p(p) / a);
+        case kvp::PosFeatureKind::sine: return float(std::sin(p * a));
+        case kvp::PosFeatureKind::cosine: return float(std::cos(p * a));
+    }
+    throw std::logic_error("unknown position feature");
+}
+
+double reference_score(const kvp::Policy& policy, const kvp::Agent& agent, const float* k, const float* v,
+                       int64_t position) {
+    const uint32_t dk = policy.identity.head_dim_k, dv = policy.identity.head_dim_v;
+    std::vector<double> x;
+    for (uint32_t d = 0; d < dk; ++d) x.push_back(k[d]);
+    for (uint32_t d = 0; d < dv; ++d) x.push_back(v[d]);
+    for (const kvp::PosFeature& feature : policy.pos_features) x.push_back(position_feature(feature, position));
+    for (size_t d = 0; d < x.size(); ++d) x[d] = (x[d] - agent.shift[d]) * agent.scale[d];
+    for (size_t j = 0; j < agent.dense.size(); ++j) {
+        const kvp::DenseLayer& dense = agent.dense[j];
+        std::vector<double> y(dense.n_out);
+        for (uint32_t o = 0; o < dense.n_out; ++o) {
+            double sum = dense.bias[o];
+            for (uint32_t i = 0; i < dense.n_in; ++i) sum += double(dense.weight[size_t(o) * dense.n_in + i]) * x[i];
+            y[o] = j + 1 < agent.dense.size() ? activate(policy.activation, sum) : sum;
+        }
+        x = std::move(y);
+    }
+    return x.at(0);
+}
+
+// K or V laid out like a ggml view with padding between heads and between tokens, in a buffer of exactly the size
+// the strides imply, so a kernel reading past a row or past the tensor trips AddressSanitizer.
+struct PaddedTensor {
+    PaddedTensor(int64_t n_token, int64_t n_head, int64_t dim, std::mt19937& rng)
+        : head_floats(dim + 3), token_floats(n_head * (dim + 3) + 5),
+          data(size_t((n_token - 1) * token_floats + (n_head - 1) * head_floats + dim)) {
+        std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+        for (float& x : data) x = uniform(rng);
+        view = {data.data(), dim, n_head, n_token, size_t(head_floats) * sizeof(float),
+                size_t(token_floats) * sizeof(float)};
+    }
+    int64_t head_floats, token_floats;
+    std::vector<float> data;
+    kvp::HeadTokenView view;
+};
+
+void test_scorer(const std::shared_ptr<const kvp::Policy>& policy, uint32_t seed) {
+    const kvp::ModelIdentity& id = policy->identity;
+    // Two full token blocks and a partial one: the parallel path, with a ragged last block.
+    const int64_t n_token = 2 * kvp::Scorer::kTokenBlock + 13;
+    std::mt19937 rng(seed);
+    PaddedTensor k(n_token, id.n_head_kv, id.head_dim_k, rng), v(n_token, id.n_head_kv, id.head_dim_v, rng);
+    std::vector<int64_t> positions(static_cast<size_t>(n_token));
+    std::uniform_int_distribution<int64_t> position(0, 1'000'000);
+    for (int64_t& p : positions) p = position(rng);
+    positions[0] = 0;
+
+    for (const kvp::KernelSet* kernels : kvp::available_kernels()) {
+        const kvp::Scorer scorer(policy, *kernels, 2);
+        double worst = 0.0;
+        for (uint32_t layer = 0; layer < id.n_layer; ++layer) {
+            if (!scorer.layer_scored(int(layer))) {
+                std::vector<float> unused(size_t(n_token) * id.n_head_kv);
+                CHECK(throws<std::invalid_argument>(
+                    [&] { scorer.score_layer(int(layer), k.view, v.view, positions.data(), unused.data()); }));
+                continue;
+            }
+            std::vector<float> scores(size_t(n_token) * id.n_head_kv);
+            scorer.score_layer(int(layer), k.view, v.view, positions.data(), scores.data());
+            std::vector<double> reference(scores.size());
+            double largest = 1.0;
+            for (int64_t t = 0; t < n_token; ++t)
+                for (uint32_t h = 0; h < id.n_head_kv; ++h) {
+                    double& r = reference[size_t(t) * id.n_head_kv + h];
+                    r = reference_score(*policy, policy->agent(layer, h), k.view.row(t, h), v.view.row(t, h),
+                                        positions[size_t(t)]);
+                    largest = std::max(largest, std::fabs(r));
+                }
+            for (size_t i = 0; i < scores.size(); ++i) {
+                const double error = std::fabs(double(scores[i]) - reference[i]);
+                worst = std::max(worst, error / largest);
+                CHECK(error <= 2e-5 * largest);
+            }
+        }
+        std::printf("  scorer %-6s: worst error %.2e of the largest score\n", kernels->name, worst);
+    }
+    const kvp::KernelSet& scalar = kvp::kernels_by_name("scalar");
+    const kvp::Scorer scorer(policy, scalar, 1);
+    std::vector<float> out(size_t(n_token) * id.n_head_kv);
+    kvp::HeadTokenView wrong_dim = k.view;
+    wrong_dim.dim += 1;
+    CHECK(throws<std::invalid_argument>(
+        [&] { scorer.score_layer(0, wrong_dim, v.view, positions.data(), out.data()); }));
+    CHECK(throws<std::invalid_argument>(
+        [&] { scorer.score_layer(int(id.n_layer), k.view, v.view, positions.data(), out.data()); }));
+}
+
+// --- evictor on hand-made ledgers --------------------------------------------------------------------------------
+
+kvp::Ledger make_ledger(const std::vector<int64_t>& logical, const std::vector<std::vector<float>>& scores) {
+    kvp::Ledger ledger(int(scores.front().size()));
+    for (size_t i = 0; i < logical.size(); ++i) {
+        ledger.append(logical[i], logical[i], int64_t(i));
+        std::copy(scores[i].begin(), scores[i].end(), ledger.scores(i));
+    }
+    return ledger;
+}
+
+void test_evictor() {
+    // Ten tokens, logical 0, 1 sinks and 7, 8, 9 recent under {n_sink 2, n_recent 3}: candidates are indices 2..6.
+    const std::vector<int64_t> logical{0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+    const kvp::Protection protection{2, 3};
+    //                       sink        sink        cand 2      cand 3       cand 4      cand 5      cand 6
+    const kvp::Ledger one_column = make_ledger(
+        logical, {{-9}, {-9}, {3}, {1}, {5}, {1}, {0.5f}, {-9}, {-9}, {-9}});
+    CHECK(kvp::eviction_candidates(one_column, protection) == (std::vector<size_t>{2, 3, 4, 5, 6}));
+    using V = std::vector<size_t>;
+    for (kvp::HeadCombine combine :
+         {kvp::HeadCombine::sum_softmax, kvp::HeadCombine::max_softmax, kvp::HeadCombine::mean,
+          kvp::HeadCombine::mean_rank}) {
+        // With one column every combination ranks like the raw score: 0.5 < 1 = 1 < 3 < 5; the tie goes to the older.
+        CHECK(kvp::select_victims(one_column, protection, 1, combine) == V{6});
+        CHECK(kvp::select_victims(one_column, protection, 2, combine) == (V{3, 6}));
+        CHECK(kvp::select_victims(one_column, protection, 3, combine) == (V{3, 5, 6}));
+        CHECK(kvp::select_victims(one_column, protection, 0, combine).empty());
+        CHECK(kvp::select_victims(one_column, protection, 5, combine) == (V{2, 3, 4, 5, 6}));
+        CHECK(throws<std::logic_error>([&] { kvp::select_victims(one_column, protection, 6, combine); }));
+    }
+
+    // Two columns on different scales:
+    //   candidate      2          3          4          5          6
+    //   column 0     100        0          50         0          0
+    //   column 1       0        3          2          1          0
+    const kvp::Ledger two_columns = make_ledger(
+        logical, {{0, 0}, {0, 0}, {100, 0}, {0, 3}, {50, 2}, {0, 1}, {0, 0}, {0, 0}, {0, 0}, {0, 0}});
+    // mean: 50, 1.5, 26, 0.5, 0: follows the large column 0
+    CHECK(kvp::select_victims(two_columns, protection, 3, kvp::HeadCombine::mean) == (V{3, 5, 6}));
+    // softmax per column: column 0 gives candidate 2 almost 1 and the rest almost 0; column 1 gives 0.031, 0.624,
+    // 0.230, 0.084, 0.031. Summed or maxed, 3 now outranks 4.
+    CHECK(kvp::select_victims(two_columns, protection, 3, kvp::HeadCombine::sum_softmax) == (V{4, 5, 6}));
+    CHECK(kvp::select_victims(two_columns, protection, 3, kvp::HeadCombine::max_softmax) == (V{4, 5, 6}));
+    // mean rank, ties ranked in candidate order: column 0 ranks 4 0 3 1 2, column 1 ranks 0 4 3 2 1, means
+    // 2 2 3 1.5 1.5: 5 and 6 tie (5, older, goes first), then 2 and 3 tie (2 goes, despite its 100).
+    CHECK(kvp::select_victims(two_columns, protection, 1, kvp::HeadCombine::mean_rank) == V{5});
+    CHECK(kvp::select_victims(two_columns, protection, 3, kvp::HeadCombine::mean_rank) == (V{2, 5, 6}));
+    const std::vector<double> keep =
+        kvp::combined_keep_scores(two_columns, {2, 3, 4, 5, 6}, kvp::HeadCombine::sum_softmax);
+    double total = 0.0;
+    for (double x : keep) total += x;
+    CHECK(std::fabs(total - 2.0) < 1e-12);  // each column's softmax sums to one
+
+    // After an eviction the logical indices have gaps: the sinks are found by logical index, not by position.
+    kvp::Ledger gapped = make_ledger(logical, {{0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}});
+    gapped.remove({0, 3, 4});
+    CHECK(gapped.size() == 7 && gapped.logical(0) == 1 && gapped.logical(2) == 5);
+    CHECK(kvp::eviction_candidates(gapped, protection) == (V{1, 2, 3}));  // logical 1 is still a sink
+    CHECK(kvp::eviction_candidates(gapped, {0, 7}).empty());
+    CHECK(kvp::eviction_candidates(kvp::Ledger(1), protection).empty());
+    std::printf("  evictor: hand-made ledgers\n");
+}
+
+// --- ledger image --------------------------------------------------------------------------------------------------
+
+void test_ledger_image() {
+    kvp::Ledger ledger(3);
+    for (int64_t i = 0; i < 50; ++i) {
+        ledger.append(i * 2, i * 2 + 1, i);
+        for (int c = 0; c < 3; ++c) ledger.scores(size_t(i))[c] = float(i) + 0.25f * float(c);
+    }
+    ledger.remove({0, 7, 49});
+    ledger.truncate(40);
+    const std::vector<uint8_t> image = ledger.serialize();
+    const kvp::Ledger copy = kvp::Ledger::deserialize(image.data(), image.size());
+    CHECK(copy.size() == 40 && copy.n_columns() == 3);
+    bool same = true;
+    for (size_t i = 0; i < copy.size(); ++i) {
+        same = same && copy.logical(i) == ledger.logical(i) && copy.original_pos(i) == ledger.original_pos(i) &&
+               copy.cache_pos(i) == ledger.cache_pos(i) &&
+               std::memcmp(copy.scores(i), ledger.scores(i), 3 * sizeof(float)) == 0;
+    }
+    CHECK(same);
+    CHECK(copy.logical(0) == 2 && copy.logical(6) == 16 && copy.lower_bound(15) == 6);
+    CHECK(copy.serialize() == image);
+    const std::vector<uint8_t> empty = kvp::Ledger(2).serialize();
+    CHECK(kvp::Ledger::deserialize(empty.data(), empty.size()).empty());
+
+    auto rejected = [](std::vector<uint8_t> bytes) {
+        return throws<std::invalid_argument>([&] { kvp::Ledger::deserialize(bytes.data(), bytes.size()); });
+    };
+    auto with_u64 = [&](size_t offset, uint64_t value) {
+        std::vector<uint8_t> bytes = image;
+        std::memcpy(bytes.data() + offset, &value, sizeof value);
+        return bytes;
+    };
+    for (size_t size = 0; size < image.size(); size += 7)
+        CHECK(rejected(std::vector<uint8_t>(image.begin(), image.begin() + ptrdiff_t(size))));
+    std::vector<uint8_t> longer = image;
+    longer.push_back(0);
+    CHECK(rejected(longer));
+    std::vector<uint8_t> bad_magic = image;
+    bad_magic[0] ^= 1;
+    CHECK(rejected(bad_magic));
+    CHECK(rejected(with_u64(8, 0)));                  // no score columns
+    CHECK(rejected(with_u64(8, uint64_t(1) << 40)));  // absurd column count
+    CHECK(rejected(with_u64(16, 41)));                // one entry more than the bytes hold
+    CHECK(rejected(with_u64(16, uint64_t(1) << 40)));  // absurd entry count
+    std::printf("  ledger: image round trip and corrupt images\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc < 2) {
+        std::fprintf(stderr, "usage: %s POLICY.kvp.bin...\n", argv[0]);
+        return 2;
+    }
+    try {
+        for (int i = 1; i < argc; ++i) {
+            const std::vector<uint8_t> file = read_file(argv[i]);
+            const auto policy = std::make_shared<const kvp::Policy>(kvp::load_policy(argv[i]));
+            test_format_round_trip(argv[i], file, *policy);
+            test_scorer(policy, uint32_t(i));
+        }
+        test_evictor();
+        test_ledger_image();
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "test_core: unexpected exception: %s\n", e.what());
+        return 1;
+    }
+    std::printf("test_core: %d checks, %d failed\n", g_checks, g_failures);
+    return g_failures == 0 ? 0 : 1;
+}
