@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import kvp_cpp
 from kvp_cpp import bench
 from kvp_cpp.metrics import match_all, match_part, postprocess_prediction, score
 
@@ -279,8 +280,12 @@ def test_launcher_adds_the_default_model_and_sweep(monkeypatch, model_path):
     assert cmd[0] == bench.binary_path()
     assert cmd[cmd.index("-m") + 1] == model_path
     assert cmd[cmd.index("--tasks") + 1] == f"/cache/{os.path.basename(model_path)}.jsonl"
-    assert cmd[cmd.index("--policies") + 1] == bench.DEFAULT_POLICIES
+    # the shipped learned policy for the default model joins the default sweep, as kvp:PATH
+    shipped = kvp_cpp.shipped_policy_for(kvp_cpp.model_identity(model_path))
+    assert cmd[cmd.index("--policies") + 1] == f"{bench.DEFAULT_POLICIES},kvp:{shipped}"
     assert cmd[cmd.index("--budgets") + 1] == bench.DEFAULT_BUDGETS
+    named = bench.command(["--tasks", "t.jsonl", "--policies", "full,kvp,knorm"])
+    assert named[named.index("--policies") + 1] == f"full,kvp:{shipped},knorm"
     given = bench.command(["-m", "x.gguf", "--tasks", "t.jsonl", "--budgets", "64"])
     assert given == [bench.binary_path(), "-m", "x.gguf", "--tasks", "t.jsonl", "--budgets", "64"]
 
