@@ -6,8 +6,11 @@ random-weight learned policy by default, so that capture, scoring and eviction a
 token it checks the cells against the budget. Passes when the RSS grows less than --max-growth (5%) from the end of
 the warm-up to any later sample, and the cells never exceed the budget. Writes a JSON report and a PNG of both curves.
 
-The conversation is driven at the token level (eval the user turn, then sample and eval one token at a time), so the
-loop itself holds nothing that grows with the conversation besides llama-cpp-python's input_ids (4 bytes a token).
+Each turn appends the user's tokens to the history the cache already holds (generate(..., reset=False)), so nothing is
+re-evaluated and the loop itself keeps nothing that grows with the conversation besides llama-cpp-python's input_ids
+(4 bytes a token). Sampling goes through generate(), which builds one sampler per reply: llama-cpp-python's
+Llama.sample() called on its own builds one per token, and those wait for Python's cyclic garbage collector, which
+shows up as a sawtooth of tens of MiB in the RSS that is not the engine's.
 
     python benchmarks/soak.py [--tokens 100000] [--budget 512] [--policy learned|streaming|random|PATH]
                               [--json benchmarks/results/soak.json] [--png benchmarks/results/soak.png]
@@ -17,6 +20,7 @@ Exit status 0 when it passes, 1 when it does not.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -66,10 +70,11 @@ def run(args) -> dict:
     samples, max_cells, generated, turns = [], 0, 0, 0
     start = time.perf_counter()
     while generated < args.tokens:
-        llm.eval(user_turn(llm, turns))
+        reply = llm.generate(user_turn(llm, turns), reset=False, temp=args.temperature, top_k=40, top_p=0.95,
+                             repeat_penalty=1.1)
         turns += 1
-        for _ in range(args.reply_tokens):
-            token = llm.sample(top_k=40, top_p=0.95, temp=args.temperature, repeat_penalty=1.1)
+        for token in itertools.islice(reply, args.reply_tokens):
+            max_cells = max(max_cells, engine.stats()["cells_used"])
             generated += 1
             if generated % args.sample_every == 0:
                 stats = engine.stats()
@@ -81,8 +86,7 @@ def run(args) -> dict:
                       f"{stats['cells_used']:>5} cells  {samples[-1]['seconds']:7.0f} s", flush=True)
             if token == eos or generated >= args.tokens:
                 break
-            llm.eval([token])
-            max_cells = max(max_cells, engine.stats()["cells_used"])
+        reply.close()
     elapsed = time.perf_counter() - start
     stats = llm.kv_stats()
     llm.close()
