@@ -75,6 +75,7 @@ Ledger Ledger::deserialize(const uint8_t* data, size_t size) {
         size != 24 + n * (3 * sizeof(int64_t) + n_columns * sizeof(float)))
         throw std::invalid_argument("kvp ledger image has inconsistent sizes");
     Ledger ledger{int(n_columns)};
+    if (n == 0) return ledger;  // memcpy into an empty vector's null data() is undefined, even for 0 bytes
     ledger.logical_.resize(n);
     ledger.original_pos_.resize(n);
     ledger.cache_pos_.resize(n);
