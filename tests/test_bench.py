@@ -20,6 +20,7 @@ TARGET_LENGTH = 384
 SAMPLES = 2
 MAX_NEW_TOKENS = 8
 BUDGETS = (64, 1024)  # 1024 holds every prompt: nothing is evicted
+VARIANTS = ("question_included", "question_excluded")  # the default of --tasks in the oneshot protocol
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
@@ -35,7 +36,7 @@ def read_log(json_path, skip_lines=()) -> list:
 
 
 def by_key(records) -> dict:
-    return {(r["task"], r["index"], r["policy"], r["budget"]): r for r in records}
+    return {(r["variant"], r["task"], r["index"], r["policy"], r["budget"]): r for r in records}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def sweep_policies(learned):
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, model_path, tasks_file, sweep_policies):
-    """One oneshot sweep: SAMPLES samples x (3 policies x 3 budgets + full)."""
+    """One oneshot sweep: SAMPLES samples x 2 variants x (3 policies x 2 budgets + full)."""
     out = tmp_path_factory.mktemp("sweep") / "results.json"
     args = ["-m", model_path, "--tasks", str(tasks_file), "--policies", ",".join(sweep_policies),
             "--budgets", ",".join(map(str, BUDGETS)), "--max-new-tokens", str(MAX_NEW_TOKENS), "-o", str(out)]
@@ -117,16 +118,23 @@ def test_oneshot_prefills_each_sample_once_whatever_the_number_of_policies_and_b
     with open(tasks_file, encoding="utf-8") as f:
         samples = [json.loads(line) for line in f]
     prompt_tokens = {s["index"]: s["length"] for s in samples}  # SmolLM2 adds no BOS: same count as the generator
-    assert len(records) == SAMPLES * (3 * len(BUDGETS) + 1)
+    assert len(records) == SAMPLES * len(VARIANTS) * (3 * len(BUDGETS) + 1)
     assert all(r["prompt_tokens"] == prompt_tokens[r["index"]] for r in records)
 
+    # One prefill of each sample's context serves both variants; the question_included engines then read the
+    # question, all but the last prompt token, which each result decodes after compression.
     assert run["shared_prefills"] == SAMPLES
-    # The last prompt token is held back and decoded after compression, by each result.
     assert run["shared_prefill_tokens"] == sum(n - 1 for n in prompt_tokens.values())
     assert run["decoded_tokens"] == run["shared_prefill_tokens"] + sum(r["decoded_tokens"] for r in records)
     for r in records:
-        # the held-back token, then each generated token (the last one only if generation stopped at max)
-        assert 1 <= r["decoded_tokens"] <= r["generated_tokens"] + 1 <= MAX_NEW_TOKENS + 1
+        appended = r["prompt_tokens"] - r["context_tokens"]  # decoded after compression
+        if r["variant"] == "question_included":
+            assert appended == 1
+        else:
+            assert 5 < appended < 0.5 * r["prompt_tokens"]  # the question, the template's tail, the answer prefix
+        # the last generated token is fed only if generation goes on after it (not at max_new_tokens)
+        hit_max = r["generated_tokens"] == MAX_NEW_TOKENS
+        assert r["decoded_tokens"] == appended + r["generated_tokens"] - hit_max
 
 
 def test_each_result_is_the_one_its_policy_gives_alone(sweep, tmp_path, model_path, tasks_file, learned):
@@ -137,27 +145,53 @@ def test_each_result_is_the_one_its_policy_gives_alone(sweep, tmp_path, model_pa
               "--budgets", str(min(BUDGETS)), "--max-new-tokens", str(MAX_NEW_TOKENS), "-o", str(alone))
     in_sweep = by_key(sweep["records"])
     alone_records = read_log(alone)
-    assert len(alone_records) == 2
+    assert len(alone_records) == 2 * len(VARIANTS)
     for r in alone_records:
-        swept = in_sweep[(r["task"], r["index"], r["policy"], r["budget"])]
+        swept = in_sweep[(r["variant"], r["task"], r["index"], r["policy"], r["budget"])]
         fields = ("prediction", "score", "llama_cells", "tokens_evicted", "kept_digest")
         assert [swept[f] for f in fields] == [r[f] for f in fields]
     # A budget that holds the whole prompt evicts nothing: the restored prefill gives the reference's answer.
     for r in sweep["records"]:
         if r["budget"] == max(BUDGETS):
-            reference = in_sweep[(r["task"], r["index"], "full", None)]
+            reference = in_sweep[(r["variant"], r["task"], r["index"], "full", None)]
             assert r["tokens_evicted"] == 0
             assert (r["prediction"], r["kept_digest"]) == (reference["prediction"], reference["kept_digest"])
 
 
-def test_every_result_keeps_the_cache_within_its_budget(sweep):
+def test_every_result_compresses_its_context_to_the_budget_then_appends(sweep):
+    """The paper's and kvpress's oneshot protocol: compress once, then what follows (the question when it is
+    excluded, the answer) is appended to the compressed cache without further eviction."""
     for r in sweep["records"]:
-        if r["budget"] is None:  # full: the prompt plus every decoded token after it, in llama.cpp's own count
-            assert r["llama_cells"] == r["cells_max"] == r["prompt_tokens"] - 1 + r["decoded_tokens"]
+        if r["budget"] is None:  # full: the context plus every decoded token after it, in llama.cpp's own count
+            assert r["llama_cells"] == r["cells_max"] == r["context_tokens"] + r["decoded_tokens"]
+            assert r["compressed_cells"] == r["context_tokens"]
         else:
-            assert 0 < r["llama_cells"] <= r["cells_max"] <= r["budget"]
-            if r["budget"] < r["prompt_tokens"]:
-                assert r["tokens_evicted"] >= r["prompt_tokens"] - r["budget"]
+            assert r["compressed_cells"] == min(r["budget"], r["context_tokens"])
+            assert r["tokens_evicted"] == r["context_tokens"] - r["compressed_cells"]
+            assert 0 < r["llama_cells"] <= r["cells_max"] == r["compressed_cells"] + r["decoded_tokens"]
+            if r["variant"] == "question_excluded" and r["budget"] < r["context_tokens"]:
+                assert r["tokens_evicted"] > 0 and r["cells_max"] > r["budget"]  # the question stayed whole
+
+
+def test_question_excluded_needs_the_question_field(tmp_path, model_path, tasks_file):
+    stripped = tmp_path / "no-question.jsonl"
+    with open(tasks_file, encoding="utf-8") as f, open(stripped, "w", encoding="utf-8") as out:
+        for line in f:
+            record = json.loads(line)
+            del record["question"]
+            out.write(json.dumps(record) + "\n")
+    common = ["-m", model_path, "--tasks", str(stripped), "--samples", "1", "--policies", "streaming",
+              "--budgets", "64", "--max-new-tokens", "2"]
+    result = subprocess.run([bench.binary_path(), *common, "--variants", "question_excluded", "-o",
+                             str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "needs the 'question' field" in result.stderr
+    defaulted = run_bench(*common, "-o", str(tmp_path / "y.json"))  # the default falls back to question_included
+    assert "running question_included only" in defaulted.stderr
+    assert [r["variant"] for r in read_log(tmp_path / "y.json")] == ["question_included"]
+    for bad, message in ((["--variants", "question_maybe"], "--variants takes"),
+                         (["--protocol", "bounded", "--variants", "question_excluded"], "only question_included")):
+        result = subprocess.run([bench.binary_path(), *common, *bad], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and message in result.stderr
 
 
 # ------------------------------------------------------------------------------------------------ outputs
@@ -170,9 +204,11 @@ def test_json_and_csv_hold_the_same_rows_and_the_table_shows_them(sweep, sweep_p
     assert [p["label"] for p in document["config"]["policies"]] == sweep_policies
     assert [p["captures_kv"] for p in document["config"]["policies"]] == [False, False, True, False]
     assert document["model"]["identity"]["n_layer"] == 30
+    assert document["config"]["variants"] == list(VARIANTS)
     rows = document["results"]
-    assert [(r["policy"], r["budget"]) for r in rows] == (
-        [(policy, b) for policy in sweep_policies[:-1] for b in BUDGETS] + [("full", None)])
+    assert [(r["variant"], r["policy"], r["budget"]) for r in rows] == [
+        (variant, policy, budget) for variant in VARIANTS
+        for policy, budget in [(p, b) for p in sweep_policies[:-1] for b in BUDGETS] + [("full", None)]]
 
     with open(str(out)[: -len(".json")] + ".csv", newline="", encoding="utf-8") as f:
         csv_rows = list(csv.DictReader(f))
@@ -189,14 +225,14 @@ def test_json_and_csv_hold_the_same_rows_and_the_table_shows_them(sweep, sweep_p
                 assert float(text) == value  # shortest round-trip formatting on both sides
 
     for row in rows:
-        per_sample = [r for r in sweep["records"] if (r["policy"], r["budget"]) == (row["policy"], row["budget"])]
+        per_sample = [r for r in sweep["records"]
+                      if (r["variant"], r["policy"], r["budget"]) == (row["variant"], row["policy"], row["budget"])]
         assert row["n"] == len(per_sample) == SAMPLES
         assert row["score"] == round(sum(r["score"] for r in per_sample) / SAMPLES, 2)
-        assert row["variant"] == "question_included"
     table = [[cell.strip() for cell in line.strip("|").split("|")] for line in sweep["stdout"].splitlines()]
-    assert table[0] == ["policy", "budget", "task", "length", "score ± stderr", "n"]
-    assert table[2:] == [[row["policy"], "-" if row["budget"] is None else str(row["budget"]), row["task"],
-                          str(row["length"]), f"{row['score']:.2f} ± {row['stderr']:.2f}", str(row["n"])]
+    assert table[0] == ["variant", "policy", "budget", "task", "length", "score ± stderr", "n"]
+    assert table[2:] == [[row["variant"], row["policy"], "-" if row["budget"] is None else str(row["budget"]),
+                          row["task"], str(row["length"]), f"{row['score']:.2f} ± {row['stderr']:.2f}", str(row["n"])]
                          for row in rows]
 
 
@@ -266,9 +302,12 @@ def test_perplexity_of_a_continuation_after_one_shared_prefill(tmp_path, model_p
     full, kept_all, squeezed = rows[("full", None)], rows[("streaming", 256)], rows[("streaming", 48)]
     assert 0 < full["score"] < math.log(49152)  # better than uniform over the vocabulary
     assert kept_all["score"] == pytest.approx(full["score"], abs=1e-4)  # 256 cells hold all 224 tokens
-    assert squeezed["cells_max"] <= 48 and squeezed["score"] != full["score"]
+    assert squeezed["score"] != full["score"]
     for r in read_log(out):
+        assert r["variant"] == "continuation"
         assert r["generated_tokens"] == 32 and r["decoded_tokens"] == 32  # held-back token + 31 teacher-forced
+        if r["budget"] == 48:  # compressed to the budget, then the continuation is appended
+            assert r["compressed_cells"] == 48 and r["cells_max"] == 48 + 32
 
 
 # ------------------------------------------------------------------------------------------------ launcher, plots

@@ -305,6 +305,30 @@ def test_oneshot_compress(model_path, random_policy_path):
         llm.kv_compress(10)
 
 
+def test_set_budget_after_compress_appends_without_evicting(model_path):
+    """The oneshot protocol of kvpress and the paper: compress once, then the question and answer are appended."""
+    llm = kvp_cpp.Llama(model_path, n_ctx=1024, kv_policy="knorm", verbose=False)
+    llm.eval(long_prompt(llm, 600))
+    llm.kv_compress(200)
+    kept = llm.kv_engine.ledger()["logical"].tolist()
+    llm.kv_set_budget(260)
+    llm.eval(long_prompt(llm, 60))
+    stats = llm.kv_stats()
+    assert stats["cells_used"] == 260 and stats["budget"] == 260 and stats["tokens_evicted"] == 400
+    assert llm.kv_engine.ledger()["logical"].tolist() == kept + list(range(600, 660))
+    assert_within_budget(llm, 260)
+    llm.eval(long_prompt(llm, 10))  # past the raised budget: evicts again
+    assert_within_budget(llm, 260)
+    with pytest.raises(ValueError, match="cannot set the budget to 100 cells: the cache holds 2[0-9][0-9] "):
+        llm.kv_set_budget(100)
+    with pytest.raises(ValueError, match="the context has 1024"):
+        llm.kv_set_budget(5000)
+    with pytest.raises(ValueError, match="kv_sink \\+ kv_recent \\+ 1"):
+        llm.kv_set_budget(3)
+    with pytest.raises(ValueError, match="integer budget"):
+        llm.kv_set_budget(2.5)
+
+
 def test_shipped_policy_by_name(model_path):
     shipped = kvp_cpp.shipped_policies()
     assert "smollm2-135m-instruct" in shipped

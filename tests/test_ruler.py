@@ -206,6 +206,34 @@ def test_lengths_stay_within_the_target(task, samples, tokenizer):
         assert statistics.median(totals) >= 0.95 * LENGTH, totals
 
 
+@pytest.mark.parametrize("task", list(TASKS))
+def test_question_is_the_end_of_the_input_after_every_answer_bearing_line(task, samples):
+    """The question-excluded protocol compresses input minus question: everything the answer needs is in that
+    context, and the question itself is short and holds none of the haystack."""
+    for record in samples(task):
+        question = record["question"]
+        assert record["input"].endswith(question)
+        assert question.startswith(("\nWhat", "\nQuestion:")), question[:40]
+        assert len(question) < 400, question
+        context = record["input"][: -len(question)]
+        if TASKS[task].kind == "niah":
+            for answer in record["outputs"]:
+                assert answer in context and answer not in question
+        if TASKS[task].kind == "vt":
+            assert all(f"VAR {name} =" in context for name in record["outputs"])
+            assert "VAR" not in question and record["outputs"][0] not in question
+
+
+def test_question_of_rejects_prompts_without_the_question():
+    from kvp_cpp.ruler.generators import question_of
+
+    assert question_of("haystack\nQuestion: x? tail", "intro {context}\nQuestion: {query}? tail") == "\nQuestion: x? tail"
+    with pytest.raises(ValueError, match="question's start"):
+        question_of("no question here", "intro {context}\nQuestion: {query}")
+    with pytest.raises(ValueError, match="no text between"):
+        question_of("a b", "{context}{query}")
+
+
 @pytest.mark.parametrize("task", [t for t in TASKS if TASKS[t].kind == "niah"])
 def test_niah_needles_are_planted_and_queried(task, samples):
     config = TASKS[task].niah
@@ -332,7 +360,7 @@ def test_same_seed_gives_identical_jsonl_and_other_seeds_differ(tmp_path):
     records = [json.loads(line) for line in first.decode().splitlines()]
     assert [(r["task"], r["index"]) for r in records] == [("niah_multikey_3", 0), ("niah_multikey_3", 1),
                                                            ("fwe", 0), ("fwe", 1)]
-    assert list(records[0]) == ["index", "task", "input", "answer_prefix", "outputs", "metric", "length",
+    assert list(records[0]) == ["index", "task", "input", "question", "answer_prefix", "outputs", "metric", "length",
                                 "max_new_tokens", "target_length", "template"]
     assert {r["metric"] for r in records} == {"string_match_all"} and {r["target_length"] for r in records} == {768}
 

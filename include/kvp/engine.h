@@ -105,6 +105,10 @@ public:
     // The oneshot protocol: evicts down to `budget` cells at once (the policy ranks every cached token), and
     // makes `budget` the engine's budget from then on. Returns the number of tokens evicted.
     int64_t compress(int64_t budget);
+    // Changes the budget without evicting: at least the cells in use (throws otherwise; see compress). The
+    // oneshot protocol raises it after compress so that the question and the answer are appended to the
+    // compressed cache without further eviction, as in kvpress and the KV Policy paper.
+    void set_budget(int64_t budget);
 
     // Forgets the tokens with logical index >= n_logical, if the cache still holds every token before it.
     // Returns false, changing nothing, if tokens of that prefix were evicted (the caller must re-prefill).
@@ -136,6 +140,7 @@ private:
     void discard_from(size_t ledger_index);
     void forget_entries(size_t first, size_t last);
     void require_attached() const;
+    void check_budget(int64_t budget, const char* action) const;
 
     EngineConfig config_;
     ModelIdentity identity_;

@@ -38,7 +38,8 @@ def cache_dir() -> str:
 def default_tasks_file(model_path: str) -> str:
     """The default sweep's RULER samples for this model's tokenizer, generated on first use."""
     stem = os.path.splitext(os.path.basename(model_path))[0]
-    name = f"ruler-{stem}-{'-'.join(DEFAULT_TASKS)}-{DEFAULT_LENGTH}-{DEFAULT_SAMPLES}x-seed{DEFAULT_SEED}.jsonl"
+    # "-q": samples with the question field (question_excluded variant); older cached files lack it
+    name = f"ruler-{stem}-{'-'.join(DEFAULT_TASKS)}-{DEFAULT_LENGTH}-{DEFAULT_SAMPLES}x-seed{DEFAULT_SEED}-q.jsonl"
     path = os.path.join(cache_dir(), name)
     if os.path.isfile(path):
         return path

@@ -399,6 +399,19 @@ class Llama(llama_cpp.Llama):
         with self._use():
             return self._kvp_engine.compress(int(budget))
 
+    def kv_set_budget(self, budget: int) -> None:
+        """Changes the budget from now on without evicting; it must hold the cells in use. After ``kv_compress``
+        the paper's and kvpress's oneshot protocol appends the question and the answer to the compressed cache
+        without further eviction: raise the budget by their length (up to the context's cells) to do the same."""
+        if self._kvp_engine is None:
+            raise ValueError("kv_set_budget() needs a kv_policy")
+        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+            raise ValueError(f"kv_set_budget() needs an integer budget, got {budget!r}")
+        if not -(1 << 62) < budget < (1 << 62):
+            raise ValueError(f"cannot set the budget to {budget} cells: far beyond any context")
+        with self._use():
+            self._kvp_engine.set_budget(int(budget))
+
     def kv_stats(self) -> Dict[str, Any]:
         """Cells in use, budget, KV bytes allocated, tokens seen and evicted, and where the engine's time went."""
         if self._kvp_engine is None:

@@ -1,9 +1,9 @@
 """``python -m kvp_cpp.plot results.json [-o DIR]``: PNG plots of a ``kvp-bench`` run (see docs/bench.md).
 
 * ``<stem>-score.png``: the mean task score over tasks against the absolute cache size (tokens kept), one line per
-  policy, one panel per context length; attention-based policies (those observing queries) dashed, the ``full``
+  policy, one panel per (variant, context length); attention-based policies (those observing queries) dashed, the ``full``
   reference a grey horizontal line.
-* ``<stem>-tasks.png``: the same per task, one panel per (task, length), with standard errors.
+* ``<stem>-tasks.png``: the same per task, one panel per (variant, task, length), with standard errors.
 * ``<stem>-perplexity.png``: perplexity (exp of the mean NLL) of the continuation against the cache size.
 
 Needs matplotlib (``pip install matplotlib``).
@@ -129,22 +129,28 @@ def plot(document: dict, out_dir: str, stem: str) -> List[str]:
     model = document.get("model", {}).get("name", "")
     protocol = document.get("config", {}).get("protocol", "")
     if task_rows:
-        lengths = sorted({r["length"] for r in task_rows})
-        figure, axes = _grid(plt, len(lengths))
-        for ax, length in zip(axes, lengths):
-            _draw_panel(ax, _series(_mean_over_tasks([r for r in task_rows if r["length"] == length])), attention)
-            ax.set_title(f"mean over tasks, {length} tokens ({protocol})")
+        variant_names = {"question_included": "question included", "question_excluded": "question excluded"}
+
+        def variant_of(row: dict) -> str:
+            return variant_names.get(row.get("variant", ""), row.get("variant", ""))
+
+        panels = list(collections.OrderedDict.fromkeys((variant_of(r), r["length"]) for r in task_rows))
+        figure, axes = _grid(plt, len(panels))
+        for ax, (variant, length) in zip(axes, panels):
+            members = [r for r in task_rows if (variant_of(r), r["length"]) == (variant, length)]
+            _draw_panel(ax, _series(_mean_over_tasks(members)), attention)
+            ax.set_title(f"mean over tasks, {length} tokens\n{protocol}, {variant}", fontsize=9)
             ax.set_ylabel("score")
         axes[0].legend(fontsize=8)
         figure.suptitle(model, fontsize=9)
         save(figure, "score")
 
-        panels = list(collections.OrderedDict.fromkeys((r["task"], r["length"]) for r in task_rows))
+        panels = list(collections.OrderedDict.fromkeys((variant_of(r), r["task"], r["length"]) for r in task_rows))
         figure, axes = _grid(plt, len(panels))
-        for ax, (task, length) in zip(axes, panels):
-            _draw_panel(ax, _series([r for r in task_rows if (r["task"], r["length"]) == (task, length)]), attention,
-                        with_errors=True)
-            ax.set_title(f"{task} @ {length}")
+        for ax, (variant, task, length) in zip(axes, panels):
+            members = [r for r in task_rows if (variant_of(r), r["task"], r["length"]) == (variant, task, length)]
+            _draw_panel(ax, _series(members), attention, with_errors=True)
+            ax.set_title(f"{task} @ {length}, {variant}", fontsize=9)
             ax.set_ylabel("score")
         axes[0].legend(fontsize=8)
         figure.suptitle(model, fontsize=9)

@@ -45,6 +45,9 @@ sweep
   --budgets LIST            cache sizes in tokens (default 128,256,512,1024)
   --protocol NAME           oneshot: prefill once per sample, then compress to each budget (default);
                             bounded: the cache is held to the budget from the first token (a prefill per budget)
+  --variants LIST           oneshot task variants: question_included (the paper's RULER protocol: the question is
+                            compressed with the context), question_excluded (kvpress's default: the question is
+                            appended after compression) (default: both)
   --samples N               at most N samples per task and length, or N text windows (default all)
   --max-new-tokens N        generate at most N tokens (default: each sample's max_new_tokens)
 
@@ -76,6 +79,8 @@ struct Options {
     std::vector<std::string> policies = {"full", "streaming", "random"};
     std::vector<int64_t> budgets = {128, 256, 512, 1024};
     Protocol protocol = Protocol::oneshot;
+    std::vector<std::string> variants;  // empty on the command line: the mode's default
+    bool variants_given = false;
     int64_t ctx_tokens = 1024, cont_tokens = 128, samples = 0, max_new_tokens = 0;
     EngineOptions engine;
     int n_threads = int(std::max(1u, std::thread::hardware_concurrency())), n_batch = 512;
@@ -136,6 +141,10 @@ Options parse_args(int argc, char** argv) {
             std::sort(o.budgets.begin(), o.budgets.end());
             o.budgets.erase(std::unique(o.budgets.begin(), o.budgets.end()), o.budgets.end());
         } else if (flag == "--protocol") o.protocol = protocol_from_name(value());
+        else if (flag == "--variants") {
+            o.variants = split_list(value());
+            o.variants_given = true;
+        }
         else if (flag == "--samples") o.samples = parse_int(flag, value(), 1);
         else if (flag == "--max-new-tokens") o.max_new_tokens = parse_int(flag, value(), 1);
         else if (flag == "--sink") o.engine.n_sink = parse_int(flag, value(), 0);
@@ -158,6 +167,20 @@ Options parse_args(int argc, char** argv) {
     if (std::set<std::string>(o.policies.begin(), o.policies.end()).size() != o.policies.size())
         throw UsageError("--policies lists a policy twice");
     if (o.budgets.empty()) throw UsageError("--budgets is empty");
+    if (o.variants.empty()) {
+        if (o.text_path.empty()) o.variants = {kQuestionIncluded};
+        if (o.text_path.empty() && o.protocol == Protocol::oneshot) o.variants.push_back(kQuestionExcluded);
+        if (!o.text_path.empty()) o.variants = {kContinuation};
+    } else {
+        if (!o.text_path.empty()) throw UsageError("--variants applies to --tasks; perplexity has one variant");
+        for (const std::string& v : o.variants)
+            if (v != kQuestionIncluded && v != kQuestionExcluded)
+                throw UsageError("--variants takes question_included and question_excluded, not '" + v + "'");
+        if (std::set<std::string>(o.variants.begin(), o.variants.end()).size() != o.variants.size())
+            throw UsageError("--variants lists a variant twice");
+        if (o.protocol == Protocol::bounded && o.variants != std::vector<std::string>{kQuestionIncluded})
+            throw UsageError("the bounded protocol holds the whole prompt under the budget: only question_included");
+    }
     return o;
 }
 
@@ -233,7 +256,7 @@ int run_benchmark(const Options& o) {
     SweepConfig config;
     config.model_name = std::filesystem::path(o.model_path).filename().string();
     config.protocol = o.protocol;
-    config.variant = o.tasks_path.empty() ? "continuation" : "question_included";
+    config.variants = o.variants;
     config.budgets = o.budgets;
     for (const std::string& label : o.policies) config.policies.emplace_back(label, model.get(), o.engine);
     for (const PolicyFactory& policy : config.policies)
@@ -244,6 +267,13 @@ int run_benchmark(const Options& o) {
     const std::vector<Sample> samples =
         tasks_mode ? load_task_samples(model, o.tasks_path, o.samples, o.max_new_tokens)
                    : load_text_samples(model, o.text_path, o.ctx_tokens, o.cont_tokens, o.samples);
+    const bool every_question_known =
+        std::all_of(samples.begin(), samples.end(), [](const Sample& s) { return s.context_tokens > 0; });
+    if (!o.variants_given && !every_question_known && config.variants.size() > 1) {
+        config.variants = {kQuestionIncluded};
+        std::fprintf(stderr, "[kvp-bench] %s has samples without a 'question' field: running question_included only "
+                     "(regenerate the tasks with python -m kvp_cpp.ruler for question_excluded)\n", o.tasks_path.c_str());
+    }
 
     ContextOptions context_options;
     context_options.n_ctx = cells_needed(samples, config.budgets);
@@ -269,11 +299,11 @@ int run_benchmark(const Options& o) {
     std::vector<std::string> task_order;
     for (const Sample& s : samples)
         if (std::find(task_order.begin(), task_order.end(), s.task) == task_order.end()) task_order.push_back(s.task);
-    const std::vector<ResultRow> rows = aggregate(records, o.policies, task_order);
+    const std::vector<ResultRow> rows = aggregate(records, config.variants, o.policies, task_order);
 
     const ModelIdentity identity = model_identity(model.get());
     json config_json = {{"protocol", protocol_name(o.protocol)},
-                        {"variant", config.variant},
+                        {"variants", config.variants},
                         {"policies", policies_json(config.policies)},
                         {"budgets", o.budgets},
                         {"samples_per_task", o.samples},

@@ -1,5 +1,6 @@
 #include "modes.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -9,6 +10,24 @@
 #include "metrics.h"
 
 namespace kvp::bench {
+
+namespace {
+
+// Prompt tokens before the question: the context alone, tokenized, shares this prefix with the whole prompt (a
+// token that straddles the boundary goes to the question).
+int64_t context_tokens(const Model& model, const std::string& input, const json& question_field,
+                       const std::vector<llama_token>& prompt) {
+    const std::string question = question_field.get<std::string>();
+    if (question.empty() || question.size() >= input.size() || input.compare(input.size() - question.size(), question.size(), question) != 0)
+        throw std::invalid_argument("'question' must be a non-empty proper end of 'input'");
+    const std::vector<llama_token> context = model.tokenize(input.substr(0, input.size() - question.size()));
+    const auto mismatch = std::mismatch(context.begin(), context.end(), prompt.begin(), prompt.end());
+    const int64_t shared = int64_t(mismatch.first - context.begin());
+    if (shared < 1 || shared >= int64_t(prompt.size())) throw std::invalid_argument("the question splits no context off the prompt");
+    return shared;
+}
+
+}  // namespace
 
 std::vector<Sample> load_task_samples(const Model& model, const std::string& path, int64_t max_per_task,
                                       int64_t max_new_tokens) {
@@ -34,8 +53,10 @@ std::vector<Sample> load_task_samples(const Model& model, const std::string& pat
             s.outputs = record.at("outputs").get<std::vector<std::string>>();
             if (s.outputs.empty()) throw std::invalid_argument("no reference outputs");
             s.max_new_tokens = max_new_tokens > 0 ? max_new_tokens : record.at("max_new_tokens").get<int64_t>();
-            s.prompt = model.tokenize(record.at("input").get<std::string>() + record.value("answer_prefix", std::string()));
+            const std::string input = record.at("input").get<std::string>();
+            s.prompt = model.tokenize(input + record.value("answer_prefix", std::string()));
             if (s.prompt.empty()) throw std::invalid_argument("empty prompt");
+            if (record.contains("question")) s.context_tokens = context_tokens(model, input, record.at("question"), s.prompt);
             samples.push_back(std::move(s));
         } catch (const std::exception& e) {
             throw std::invalid_argument(path + ":" + std::to_string(line_number) + ": " + e.what());

@@ -135,16 +135,18 @@ void to_json(json& j, const ResultRow& row) {
              {"seconds", row.seconds}};
 }
 
-std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const std::vector<std::string>& policy_order,
-                                 const std::vector<std::string>& task_order) {
+std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const std::vector<std::string>& variant_order,
+                                 const std::vector<std::string>& policy_order, const std::vector<std::string>& task_order) {
     auto rank = [](const std::vector<std::string>& order, const std::string& name) {
         return std::find(order.begin(), order.end(), name) - order.begin();
     };
-    using GroupKey = std::tuple<std::ptrdiff_t, int64_t, std::ptrdiff_t, int64_t>;
+    using GroupKey = std::tuple<std::ptrdiff_t, std::ptrdiff_t, int64_t, std::ptrdiff_t, int64_t>;
     std::map<GroupKey, std::vector<const json*>> groups;
     for (const json* r : records) {
         const RecordKey key = RecordKey::of(*r);
-        groups[{rank(policy_order, key.policy), key.budget, rank(task_order, key.task), key.length}].push_back(r);
+        groups[{rank(variant_order, key.variant), rank(policy_order, key.policy), key.budget, rank(task_order, key.task),
+                key.length}]
+            .push_back(r);
     }
 
     std::vector<ResultRow> rows;
@@ -182,24 +184,26 @@ std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const 
 
 void print_table(std::ostream& out, const std::vector<ResultRow>& rows) {
     struct Line {
-        std::string policy, budget, task, length, score, n;
+        std::string variant, policy, budget, task, length, score, n;
     };
     auto score_text = [](const std::string& metric, double score, double stderr_) {
         const int decimals = is_percent_metric(metric) ? 2 : 4;
         return format_fixed(score, decimals) + " ± " + format_fixed(stderr_, decimals);
     };
     auto line_of = [&](const ResultRow& r, const std::string& task, double score, double stderr_, int64_t n) {
-        return Line{r.policy, r.budget == kUnbounded ? "-" : std::to_string(r.budget), task, std::to_string(r.length),
-                    score_text(r.metric, score, stderr_), std::to_string(n)};
+        return Line{r.variant, r.policy, r.budget == kUnbounded ? "-" : std::to_string(r.budget), task,
+                    std::to_string(r.length), score_text(r.metric, score, stderr_), std::to_string(n)};
     };
 
     std::vector<Line> lines;
     std::set<std::string> tasks;
     for (const ResultRow& r : rows) tasks.insert(r.task);
     for (size_t i = 0; i < rows.size();) {
-        // rows of one (policy, budget) are contiguous; a mean over tasks per length follows them
+        // rows of one (variant, policy, budget) are contiguous; a mean over tasks per length follows them
         size_t j = i;
-        while (j < rows.size() && rows[j].policy == rows[i].policy && rows[j].budget == rows[i].budget) ++j;
+        while (j < rows.size() && rows[j].variant == rows[i].variant && rows[j].policy == rows[i].policy &&
+               rows[j].budget == rows[i].budget)
+            ++j;
         std::map<int64_t, std::vector<const ResultRow*>> by_length;
         for (size_t k = i; k < j; ++k) {
             lines.push_back(line_of(rows[k], rows[k].task, rows[k].score, rows[k].stderr_, rows[k].n));
@@ -220,7 +224,7 @@ void print_table(std::ostream& out, const std::vector<ResultRow>& rows) {
         i = j;
     }
 
-    const Line header{"policy", "budget", "task", "length", "score ± stderr", "n"};
+    const Line header{"variant", "policy", "budget", "task", "length", "score ± stderr", "n"};
     auto display_width = [](const std::string& s) {  // UTF-8 aware: "±" is two bytes, one column
         size_t n = 0;
         for (unsigned char c : s) n += (c & 0xC0) != 0x80;
@@ -232,7 +236,7 @@ void print_table(std::ostream& out, const std::vector<ResultRow>& rows) {
         return w;
     };
     const std::vector<std::pair<std::string Line::*, bool>> columns = {  // field, right-aligned
-        {&Line::policy, false}, {&Line::budget, true}, {&Line::task, false},
+        {&Line::variant, false}, {&Line::policy, false}, {&Line::budget, true}, {&Line::task, false},
         {&Line::length, true},  {&Line::score, true},  {&Line::n, true}};
     auto print = [&](const Line& l) {
         out << '|';

@@ -66,12 +66,12 @@ struct ResultRow {
 
 void to_json(json& j, const ResultRow& row);
 
-// Rows for the given records, ordered by policy (as in policy_order), budget, task (as in task_order), length.
-std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const std::vector<std::string>& policy_order,
-                                 const std::vector<std::string>& task_order);
+// Rows for the given records, ordered by variant, policy, budget, task (each name as in its order), length.
+std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const std::vector<std::string>& variant_order,
+                                 const std::vector<std::string>& policy_order, const std::vector<std::string>& task_order);
 
-// A llama-bench-style markdown table: policy, budget, task, length, score ± stderr, n; with a `mean` row per
-// (policy, budget, length) over the tasks when there are several.
+// A llama-bench-style markdown table: variant, policy, budget, task, length, score ± stderr, n; with a `mean` row
+// per (variant, policy, budget, length) over the tasks when there are several.
 void print_table(std::ostream& out, const std::vector<ResultRow>& rows);
 
 void write_csv(const std::string& path, const std::vector<ResultRow>& rows);

@@ -17,28 +17,41 @@ double seconds_since(Clock::time_point start) { return std::chrono::duration<dou
 struct Job {
     const PolicyFactory* policy;
     int64_t budget;  // kUnbounded for full
+    const std::string* variant;
+    bool excludes_question() const { return *variant == kQuestionExcluded; }
 };
 
 std::vector<Job> all_jobs(const SweepConfig& config) {
     std::vector<Job> jobs;
-    for (const PolicyFactory& policy : config.policies) {
-        if (policy.is_full()) jobs.push_back({&policy, kUnbounded});
-        else
-            for (int64_t budget : config.budgets) jobs.push_back({&policy, budget});
-    }
+    for (const std::string& variant : config.variants)
+        for (const PolicyFactory& policy : config.policies) {
+            if (policy.is_full()) jobs.push_back({&policy, kUnbounded, &variant});
+            else
+                for (int64_t budget : config.budgets) jobs.push_back({&policy, budget, &variant});
+        }
     return jobs;
 }
 
 RecordKey key_of(const SweepConfig& config, const Sample& sample, const Job& job) {
-    return {config.model_name, protocol_name(config.protocol), config.variant, sample.task, sample.length,
+    return {config.model_name, protocol_name(config.protocol), *job.variant, sample.task, sample.length,
             sample.index, job.policy->label(), job.budget};
 }
 
-std::string job_name(const Sample& sample, const Job& job) {
+std::string job_name(const SweepConfig& config, const Sample& sample, const Job& job) {
     std::string name = sample.task;
     name.append(" #").append(std::to_string(sample.index)).append(" ").append(job.policy->label());
     if (job.budget != kUnbounded) name.append("@").append(std::to_string(job.budget));
+    if (config.variants.size() > 1) name.append(job.excludes_question() ? " (q excl)" : " (q incl)");
     return name;
+}
+
+// Where the compressed context of the question_excluded variant ends.
+size_t question_start(const Sample& sample) {
+    if (sample.context_tokens < 1 || sample.context_tokens >= int64_t(sample.prompt.size()))
+        throw std::invalid_argument("sample " + sample.task + " #" + std::to_string(sample.index) +
+                                    " has no question to exclude: its tasks file needs the 'question' field that "
+                                    "python -m kvp_cpp.ruler writes");
+    return size_t(sample.context_tokens);
 }
 
 class SweepRunner {
@@ -48,38 +61,37 @@ public:
 
     void run_oneshot(const Sample& sample, const std::vector<Job>& jobs) {
         const std::span<const llama_token> prompt(sample.prompt);
-        const auto prefix = prompt.first(prompt.size() - 1), held_back = prompt.last(1);
+        std::vector<size_t> excluded, included;
+        for (size_t i = 0; i < jobs.size(); ++i) (jobs[i].excludes_question() ? excluded : included).push_back(i);
+        const size_t held_back = prompt.size() - 1;  // question_included compresses all but the last token
+        const size_t context_end = excluded.empty() ? held_back : question_start(sample);
 
         std::vector<std::unique_ptr<Engine>> engines(jobs.size());
-        std::vector<Engine*> following;
         for (size_t i = 0; i < jobs.size(); ++i) {
             if (jobs[i].policy->is_full()) continue;
-            engines[i] = jobs[i].policy->make_engine(std::max<int64_t>(int64_t(prefix.size()), jobs[i].policy->min_budget()));
+            engines[i] = jobs[i].policy->make_engine(std::max<int64_t>(int64_t(held_back), jobs[i].policy->min_budget()));
             engines[i]->attach(session_.context());
-            following.push_back(engines[i].get());
         }
-        session_.clear_sequence();
-        const auto start = Clock::now();
-        {
-            SequenceWriter writer(session_, following, 0);
-            writer.feed(prefix);
-        }
-        counters_.shared_prefill_seconds += seconds_since(start);
-        ++counters_.shared_prefills;
-        counters_.shared_prefill_tokens += int64_t(prefix.size());
-        const std::vector<uint8_t> prefilled = session_.save_sequence();
+        auto following = [&](const std::vector<size_t>& which) {
+            std::vector<Engine*> out;
+            for (size_t i : which)
+                if (engines[i]) out.push_back(engines[i].get());
+            return out;
+        };
+        std::vector<size_t> everyone = excluded;
+        everyone.insert(everyone.end(), included.begin(), included.end());
 
-        for (size_t i = 0; i < jobs.size(); ++i) {
-            const auto job_start = Clock::now();
-            session_.restore_sequence(prefilled);
-            Engine* engine = engines[i].get();
-            if (engine) engine->compress(jobs[i].budget);
-            {
-                SequenceWriter writer(session_, engine ? std::vector<Engine*>{engine} : std::vector<Engine*>{},
-                                      int64_t(prefix.size()));
-                finish(sample, jobs[i], writer, engine, held_back, job_start);
-            }
-            engines[i].reset();  // its capture buffers and policy state are not needed any more
+        session_.clear_sequence();
+        shared_prefill(following(everyone), prompt.first(context_end), 0);
+        if (!excluded.empty()) {
+            const std::vector<uint8_t> context = session_.save_sequence();
+            compress_and_finish(sample, jobs, engines, excluded, context, prompt.subspan(context_end));
+            if (!included.empty()) session_.restore_sequence(context);
+        }
+        if (!included.empty()) {
+            shared_prefill(following(included), prompt.subspan(context_end, held_back - context_end), int64_t(context_end));
+            const std::vector<uint8_t> prefilled = session_.save_sequence();
+            compress_and_finish(sample, jobs, engines, included, prefilled, prompt.subspan(held_back));
         }
     }
 
@@ -94,15 +106,56 @@ public:
                 engine->attach(session_.context());  // clears the sequence
             }
             SequenceWriter writer(session_, engine ? std::vector<Engine*>{engine.get()} : std::vector<Engine*>{}, 0);
-            finish(sample, job, writer, engine.get(), sample.prompt, job_start);
+            finish(sample, job, writer, engine.get(), sample.prompt, job_start, -1);
         }
     }
 
     SweepCounters& counters() { return counters_; }
 
 private:
+    void shared_prefill(const std::vector<Engine*>& engines, std::span<const llama_token> tokens, int64_t next_pos) {
+        if (tokens.empty()) return;
+        const auto start = Clock::now();
+        {
+            SequenceWriter writer(session_, engines, next_pos);
+            writer.feed(tokens);
+        }
+        counters_.shared_prefill_seconds += seconds_since(start);
+        if (next_pos == 0) ++counters_.shared_prefills;
+        counters_.shared_prefill_tokens += int64_t(tokens.size());
+    }
+
+    // Each of `which` jobs from the saved prefill: its engine compresses to the budget, then `unfed` and the answer
+    // are appended to the compressed cache.
+    void compress_and_finish(const Sample& sample, const std::vector<Job>& jobs,
+                             std::vector<std::unique_ptr<Engine>>& engines, const std::vector<size_t>& which,
+                             const std::vector<uint8_t>& prefilled, std::span<const llama_token> unfed) {
+        const int64_t appended = int64_t(unfed.size() + sample.continuation.size()) + sample.max_new_tokens;
+        const int64_t prefilled_length = int64_t(sample.prompt.size() - unfed.size());
+        for (size_t i : which) {
+            const auto job_start = Clock::now();
+            session_.restore_sequence(prefilled);
+            Engine* engine = engines[i].get();
+            int64_t compressed_cells = prefilled_length;
+            if (engine) {
+                engine->compress(jobs[i].budget);
+                compressed_cells = engine->stats().cells_used;
+                int64_t opened = std::min(compressed_cells + appended, session_.n_ctx());
+                if (engine->config().position_mode == PositionMode::compact)
+                    opened = std::min(opened, engine->config().compact_limit);
+                engine->set_budget(std::max(opened, jobs[i].budget));
+            }
+            {
+                SequenceWriter writer(session_, engine ? std::vector<Engine*>{engine} : std::vector<Engine*>{},
+                                      prefilled_length);
+                finish(sample, jobs[i], writer, engine, unfed, job_start, compressed_cells);
+            }
+            engines[i].reset();  // its capture buffers and policy state are not needed any more
+        }
+    }
+
     void finish(const Sample& sample, const Job& job, SequenceWriter& writer, Engine* engine,
-                std::span<const llama_token> unfed, Clock::time_point start) {
+                std::span<const llama_token> unfed, Clock::time_point start, int64_t compressed_cells) {
         const Outcome outcome = evaluate_(sample, writer, unfed);
         json record;
         key_of(config_, sample, job).write_to(record);
@@ -113,6 +166,8 @@ private:
         record["prompt_tokens"] = int64_t(sample.prompt.size());
         record["decoded_tokens"] = writer.decoded_tokens();
         record["generated_tokens"] = outcome.generated_tokens;
+        record["context_tokens"] = int64_t(sample.prompt.size() - unfed.size());  // what was there to compress
+        if (compressed_cells >= 0) record["compressed_cells"] = compressed_cells;  // oneshot: right after compress
         record["cells_max"] = writer.max_cells();
         record["llama_cells"] = session_.cells_in_use();
         record["tokens_evicted"] = engine ? engine->stats().tokens_evicted : 0;
@@ -120,7 +175,7 @@ private:
         record["seconds"] = seconds_since(start);
         log_.append(record);
         ++counters_.results_computed;
-        progress_.done(job_name(sample, job));
+        progress_.done(job_name(config_, sample, job));
     }
 
     Session& session_;

@@ -1,13 +1,19 @@
 // The sweep: every sample against every (policy, budget), under the oneshot or the bounded protocol.
 //
-// oneshot (the KV Policy paper's protocol, C.5): the prompt is prefilled once per sample with an engine per
-// pending (policy, budget) following the same llama_decode calls (the session forwards the eval callback to all of
-// them), so each engine has observed and scored the whole prefill exactly as if it had run alone. The sequence
-// state is then saved (llama_state_seq_get_data); for each (policy, budget) it is restored
-// (llama_state_seq_set_data), that engine compresses the cache to the budget, and the sample is finished from
-// there. The prompt's last token is held back from the shared prefill and decoded after compression, so every
-// logit that is scored comes from the compressed cache. A sample costs one prefill whatever the number of
-// policies and budgets; the run's counters (shared_prefill_tokens, and decoded_tokens per result) show it.
+// oneshot (the KV Policy paper's protocol, C.5, and kvpress's): the prompt is prefilled once per sample with an
+// engine per pending (variant, policy, budget) following the same llama_decode calls (the session forwards the
+// eval callback to all of them), so each engine has observed and scored its part of the prefill exactly as if it
+// had run alone. The sequence state is saved (llama_state_seq_get_data) where a variant compresses; for each
+// (policy, budget) it is restored (llama_state_seq_set_data), that engine compresses the cache to the budget, the
+// budget is raised by what is still to come (the rest of the prompt and the answer are appended to the compressed
+// cache, not evicted), and the sample is finished from there.
+//   question_included: the compressed context is the whole prompt but its last token, which is held back and
+//     decoded after compression, so every logit that is scored comes from the compressed cache;
+//   question_excluded: the compressed context stops before the sample's question (kvpress's default); the
+//     question and the answer prefix are decoded after compression.
+// The context is prefilled once for both variants (the question_included engines then also read the question).
+// A sample costs one prefill whatever the number of policies, budgets and variants; the run's counters
+// (shared_prefill_tokens, and decoded_tokens per result) show it.
 //
 // bounded: a fresh engine per (policy, budget) holds the cache to the budget from the first token, with chunked
 // prefill, as kvp_cpp.Llama does; each (policy, budget) costs a prefill.
@@ -42,7 +48,12 @@ struct Sample {
     std::vector<std::string> outputs;
     int64_t max_new_tokens = 0;
     std::vector<llama_token> continuation;
+    int64_t context_tokens = -1;  // prompt tokens before the question (question_excluded); -1: not known
 };
+
+constexpr const char* kQuestionIncluded = "question_included";
+constexpr const char* kQuestionExcluded = "question_excluded";
+constexpr const char* kContinuation = "continuation";  // perplexity: the context is the prompt, as question_included
 
 struct Outcome {
     double score = 0;
@@ -56,7 +67,7 @@ using Evaluate = std::function<Outcome(const Sample& sample, SequenceWriter& wri
 struct SweepConfig {
     std::string model_name;  // part of every record's key
     Protocol protocol = Protocol::oneshot;
-    std::string variant;
+    std::vector<std::string> variants;  // oneshot: kQuestionIncluded / kQuestionExcluded; else one name
     std::vector<PolicyFactory> policies;
     std::vector<int64_t> budgets;  // ascending; `full` ignores them
 };

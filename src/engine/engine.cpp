@@ -377,20 +377,35 @@ void Engine::discard_from(size_t ledger_index) {
 int64_t Engine::compress(int64_t budget) {
     require_attached();
     if (in_batch_) throw std::logic_error("compress during a batch");
-    const Protection& protection = config_.protection;
-    const int64_t min_budget = int64_t(protection.n_sink) + int64_t(protection.n_recent) + 1;
-    if (budget < min_budget)
-        throw std::invalid_argument("cannot compress to " + std::to_string(budget) + " cells: kv_sink + kv_recent + 1 = " +
-                                    std::to_string(min_budget));
-    if (budget > int64_t(llama_n_ctx(ctx_)))
-        throw std::invalid_argument("cannot compress to " + std::to_string(budget) + " cells: the context has " +
-                                    std::to_string(llama_n_ctx(ctx_)));
+    check_budget(budget, "compress to");
     const int64_t excess = int64_t(ledger_.size()) - budget;
     if (excess > 0) evict(size_t(excess));
+    set_budget(budget);
+    return std::max<int64_t>(excess, 0);
+}
+
+void Engine::set_budget(int64_t budget) {
+    require_attached();
+    if (in_batch_) throw std::logic_error("set_budget during a batch");
+    check_budget(budget, "set the budget to");
+    if (budget < int64_t(ledger_.size()))
+        throw std::invalid_argument("cannot set the budget to " + std::to_string(budget) + " cells: the cache holds " +
+                                    std::to_string(ledger_.size()) + " (use compress to evict down to it)");
     config_.budget = budget;
     config_.evicting_chunk = std::max<int64_t>(1, budget / 4);
     stats_.budget = budget;
-    return std::max<int64_t>(excess, 0);
+}
+
+void Engine::check_budget(int64_t budget, const char* action) const {
+    const Protection& protection = config_.protection;
+    const int64_t min_budget = int64_t(protection.n_sink) + int64_t(protection.n_recent) + 1;
+    const std::string what = std::string("cannot ") + action + " " + std::to_string(budget) + " cells: ";
+    if (budget < min_budget)
+        throw std::invalid_argument(what + "kv_sink + kv_recent + 1 = " + std::to_string(min_budget));
+    if (budget > int64_t(llama_n_ctx(ctx_)))
+        throw std::invalid_argument(what + "the context has " + std::to_string(llama_n_ctx(ctx_)));
+    if (config_.position_mode == PositionMode::compact && budget > config_.compact_limit)
+        throw std::invalid_argument(what + "the compact position limit is " + std::to_string(config_.compact_limit));
 }
 
 bool Engine::truncate(int64_t n_logical) {

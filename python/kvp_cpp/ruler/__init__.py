@@ -1,7 +1,8 @@
 """RULER long-context tasks (NVIDIA/RULER), generated offline and sized with a GGUF model's own tokenizer.
 
 ``python -m kvp_cpp.ruler --tasks niah_single_1,vt --lengths 4096 -o ruler.jsonl`` writes one JSON object per
-line: ``index``, ``task``, ``input`` (the prompt up to the answer prefix), ``answer_prefix``, ``outputs`` (the
+line: ``index``, ``task``, ``input`` (the prompt up to the answer prefix), ``question`` (the end of ``input`` after the
+haystack), ``answer_prefix``, ``outputs`` (the
 reference strings), ``metric`` (see :mod:`kvp_cpp.metrics`), ``length`` (tokens of ``input + answer_prefix``),
 ``max_new_tokens``, ``target_length`` and ``template``. The model is fed ``input + answer_prefix`` and continues it.
 

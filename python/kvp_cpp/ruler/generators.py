@@ -393,6 +393,28 @@ class FrequentWordsExtraction(_Sizer):
             yield prompt, answers, tokens
 
 
+QUESTION_HEAD_CHARS = 40
+
+
+def question_of(input_text: str, template: str) -> str:
+    """The end of ``input_text`` that follows the haystack: the question, and the chat template's tail after it.
+
+    kvpress splits RULER prompts into context and question the same way (the question is not compressed in its
+    default, question-excluded protocol). Every RULER template puts the question after ``{context}``; its first
+    literal piece (up to the next placeholder, at most 40 characters: fwe's runs on into the answer prefix, which
+    is not part of ``input``) starts the question, searched from the end because cwe's one-shot example holds the
+    same words.
+    """
+    after_context = template.rsplit("{context}", 1)[-1]
+    head = after_context.split("{", 1)[0].replace("}}", "}")[:QUESTION_HEAD_CHARS]
+    if not head.strip():
+        raise ValueError("the task template has no text between {context} and its next placeholder")
+    start = input_text.rfind(head)
+    if start < 0:
+        raise ValueError(f"the prompt does not contain the question's start {head!r}")
+    return input_text[start:]
+
+
 GENERATORS = {"niah": Niah, "vt": VariableTracking, "cwe": CommonWordsExtraction, "fwe": FrequentWordsExtraction}
 
 
@@ -412,6 +434,7 @@ def generate(
             "index": index,
             "task": task,
             "input": input_text,
+            "question": question_of(input_text, generator.template),
             "answer_prefix": answer_prefix,
             "outputs": answers,
             "metric": spec.metric,
