@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import kvp_cpp
-from kvp_cpp import bench
+from kvp_cpp import bench, plot
 from kvp_cpp.metrics import match_all, match_part, postprocess_prediction, score
 
 TARGET_LENGTH = 384
@@ -231,7 +231,7 @@ def test_json_and_csv_hold_the_same_rows_and_the_table_shows_them(sweep, sweep_p
         assert row["score"] == round(sum(r["score"] for r in per_sample) / SAMPLES, 2)
     table = [[cell.strip() for cell in line.strip("|").split("|")] for line in sweep["stdout"].splitlines()]
     assert table[0] == ["variant", "policy", "budget", "task", "length", "score ± stderr", "n"]
-    assert table[2:] == [[row["variant"], row["policy"], "-" if row["budget"] is None else str(row["budget"]),
+    assert table[2:] == [[row["variant"], plot.short_label(row["policy"]), "-" if row["budget"] is None else str(row["budget"]),
                           row["task"], str(row["length"]), f"{row['score']:.2f} ± {row['stderr']:.2f}", str(row["n"])]
                          for row in rows]
 
@@ -310,6 +310,51 @@ def test_perplexity_of_a_continuation_after_one_shared_prefill(tmp_path, model_p
             assert r["compressed_cells"] == 48 and r["cells_max"] == 48 + 32
 
 
+def test_speed_mode_times_every_policy_against_the_full_cache_in_one_run(tmp_path, model_path):
+    out = tmp_path / "speed.json"
+    contexts, budgets, decode = (96, 160), (64, 256), 4
+    result = run_bench("-m", model_path, "--speed", "--contexts", ",".join(map(str, contexts)), "--policies",
+                       "streaming,knorm,full", "--budgets", ",".join(map(str, budgets)), "--decode-tokens",
+                       str(decode), "-t", "2", "-o", str(out))
+    with open(out, encoding="utf-8") as f:
+        document = json.load(f)
+    assert document["mode"] == "speed" and document["config"]["contexts"] == list(contexts)
+    rows = document["speed"]
+    # per context: the full cache first (every ratio is to it), then each policy and budget
+    assert [(r["context"], r["policy"], r["budget"]) for r in rows] == [
+        (c, p, b) for c in contexts for p, b in [("full", None)] + [(p, b) for p in ("streaming", "knorm")
+                                                                      for b in budgets]]
+    per_cell = document["model"]["kv_bytes_per_cell"]
+    for r in rows:
+        assert r["status"] == "ok" and r["prefill_tokens_per_second"] > 0 and r["decode_ms_per_token"] > 0
+        assert r["kv_bytes"] == r["n_ctx"] * per_cell and r["rss_bytes"] > 0
+        if r["budget"] is None:
+            assert r["prefill_vs_full"] == r["decode_vs_full"] == 1.0
+            assert r["n_ctx"] >= r["context"] + decode and r["cells_max"] == r["context"] + decode
+            assert r["tokens_evicted"] == 0
+            continue
+        full = next(f for f in rows if f["context"] == r["context"] and f["budget"] is None)
+        assert r["prefill_vs_full"] == pytest.approx(r["prefill_tokens_per_second"] / full["prefill_tokens_per_second"])
+        assert r["decode_vs_full"] == pytest.approx(full["decode_ms_per_token"] / r["decode_ms_per_token"])
+        assert r["cells_max"] <= r["budget"] <= r["n_ctx"]  # the bounded protocol, as kvp_cpp.Llama runs
+        if r["budget"] < r["context"] + decode:
+            assert r["tokens_evicted"] >= r["context"] + decode - r["budget"]
+        else:
+            assert r["tokens_evicted"] == 0
+        if r["policy"] == "knorm":  # captures keys: its capture and scoring time is measured
+            assert r["copy_ms_per_token"] > 0 and r["score_ms_per_token"] > 0
+        else:
+            assert r["copy_ms_per_token"] == r["score_ms_per_token"] == 0
+    with open(str(out)[: -len(".json")] + ".csv", newline="", encoding="utf-8") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [list(c) for c in csv_rows] == [list(r) for r in rows]
+    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
+    assert table[0][:5] == ["policy", "budget", "context", "prefill t/s", "prefill vs full"]
+    assert len(table) == 2 + len(rows)
+    assert subprocess.run([bench.binary_path(), "-m", model_path, "--speed", "--tasks", "x.jsonl"],
+                          capture_output=True, text=True).returncode == 2
+
+
 # ------------------------------------------------------------------------------------------------ launcher, plots
 
 
@@ -325,6 +370,9 @@ def test_launcher_adds_the_default_model_and_sweep(monkeypatch, model_path):
     assert cmd[cmd.index("--budgets") + 1] == bench.DEFAULT_BUDGETS
     named = bench.command(["--tasks", "t.jsonl", "--policies", "full,kvp,knorm"])
     assert named[named.index("--policies") + 1] == f"full,kvp:{shipped},knorm"
+    speed = bench.command(["--speed"])
+    assert "--tasks" not in speed and speed[speed.index("--budgets") + 1] == bench.DEFAULT_SPEED_BUDGETS
+    assert speed[speed.index("--policies") + 1] == f"{bench.DEFAULT_POLICIES},kvp:{shipped}"
     given = bench.command(["-m", "x.gguf", "--tasks", "t.jsonl", "--budgets", "64"])
     assert given == [bench.binary_path(), "-m", "x.gguf", "--tasks", "t.jsonl", "--budgets", "64"]
 
@@ -342,8 +390,6 @@ def test_console_script_runs_the_binary_from_anywhere(tmp_path):
 
 def test_plots_are_written_for_tasks(sweep, tmp_path):
     pytest.importorskip("matplotlib")
-    from kvp_cpp import plot
-
     paths = plot.plot(plot.load_results(str(sweep["out"])), str(tmp_path), "results")
     assert [os.path.basename(p) for p in paths] == ["results-score.png", "results-tasks.png"]
     for path in paths:

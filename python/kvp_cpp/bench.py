@@ -5,7 +5,7 @@ The binary finds llama.cpp's libraries through its RUNPATH, relative to its own 
 ``-m <kvp_cpp.default_model_path()>`` when no model is given, and, when no ``--tasks``/``--text`` is given, a small
 default sweep: RULER tasks generated once with ``kvp_cpp.ruler`` into a cache folder, policies
 ``full,streaming,random`` (and ``kvp``, the shipped learned policy, when one matches the model) and budgets
-``256,512`` unless given. In ``--policies``, ``kvp`` is replaced by ``kvp:PATH`` of that shipped policy. Every
+``256,512`` unless given (with ``--speed``: the same policies, budget ``1024``). In ``--policies``, ``kvp`` is replaced by ``kvp:PATH`` of that shipped policy. Every
 other argument goes to the binary unchanged.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ DEFAULT_SAMPLES = 5
 DEFAULT_SEED = 42
 DEFAULT_POLICIES = "full,streaming,random"
 DEFAULT_BUDGETS = "256,512"
+DEFAULT_SPEED_BUDGETS = "1024"
 
 
 def binary_path() -> str:
@@ -70,7 +71,12 @@ def command(argv: Sequence[str]) -> List[str]:
 
         args = ["-m", default_model_path()] + args
     model_path = args[args.index("-m") + 1] if "-m" in args else args[args.index("--model") + 1]
-    if not _has(args, "--tasks", "--text"):
+    if _has(args, "--speed"):
+        if not _has(args, "--policies"):
+            args += ["--policies", default_policies(model_path)]
+        if not _has(args, "--budgets"):
+            args += ["--budgets", DEFAULT_SPEED_BUDGETS]
+    elif not _has(args, "--tasks", "--text"):
         args += ["--tasks", default_tasks_file(model_path)]
         if not _has(args, "--policies"):
             args += ["--policies", default_policies(model_path)]

@@ -11,6 +11,7 @@
 #include <iostream>
 #include <map>
 #include <set>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -22,12 +23,13 @@
 #include "progress.h"
 #include "results.h"
 #include "session.h"
+#include "speed.h"
 #include "sweep.h"
 
 namespace kvp::bench {
 namespace {
 
-constexpr const char* kUsage = R"(usage: kvp-bench -m MODEL.gguf (--tasks FILE.jsonl | --text FILE.txt) [options]
+constexpr const char* kUsage = R"(usage: kvp-bench -m MODEL.gguf (--tasks FILE.jsonl | --text FILE.txt | --speed) [options]
 
 Benchmarks KV-cache eviction policies against the full cache, in llama.cpp.
 
@@ -37,6 +39,11 @@ modes
   --text FILE.txt           perplexity: windows of --ctx context tokens, then the mean NLL of --cont tokens
   --ctx N, --cont M         perplexity window (default 1024, 128)
   --score-predictions FILE  score JSONL lines {"prediction", "outputs", "metric"} with the RULER metrics and exit
+  --speed                   time and memory: prefill and decode throughput of each policy and budget (bounded
+                            protocol) against the full cache at each of --contexts, side by side in one run
+  --contexts LIST           --speed: logical context lengths (default 2048,8192)
+  --decode-tokens N         --speed: tokens decoded after each prefill (default 64)
+                            (tokens: --text FILE repeated, else seeded ordinary tokens of the vocabulary)
 
 sweep
   -m, --model PATH          GGUF model
@@ -86,6 +93,9 @@ struct Options {
     int n_threads = int(std::max(1u, std::thread::hardware_concurrency())), n_batch = 512;
     std::string flash_attn = "auto";
     bool verbose = false;
+    bool speed = false;
+    std::vector<int64_t> contexts = {2048, 8192};
+    int64_t decode_tokens = 64;
 };
 
 int64_t parse_int(const std::string& flag, const std::string& text, int64_t min) {
@@ -157,12 +167,20 @@ Options parse_args(int argc, char** argv) {
         else if (flag == "--flash-attn") o.flash_attn = value();
         else if (flag == "-o" || flag == "--output") o.output_path = value();
         else if (flag == "-v" || flag == "--verbose") o.verbose = true;
+        else if (flag == "--speed") o.speed = true;
+        else if (flag == "--decode-tokens") o.decode_tokens = parse_int(flag, value(), 1);
+        else if (flag == "--contexts") {
+            o.contexts.clear();
+            for (const std::string& item : split_list(value())) o.contexts.push_back(parse_int(flag, item, 2));
+            if (o.contexts.empty()) throw UsageError("--contexts is empty");
+        }
         else throw UsageError("unknown argument '" + flag + "'");
     }
     o.engine.n_threads = o.n_threads;
     if (!o.score_path.empty()) return o;
     if (o.model_path.empty()) throw UsageError("-m MODEL.gguf is required");
-    if (o.tasks_path.empty() == o.text_path.empty()) throw UsageError("give exactly one of --tasks and --text");
+    if (o.speed && !o.tasks_path.empty()) throw UsageError("--speed takes its tokens from --text or makes them; not --tasks");
+    if (!o.speed && o.tasks_path.empty() == o.text_path.empty()) throw UsageError("give exactly one of --tasks and --text");
     if (o.policies.empty()) throw UsageError("--policies is empty");
     if (std::set<std::string>(o.policies.begin(), o.policies.end()).size() != o.policies.size())
         throw UsageError("--policies lists a policy twice");
@@ -245,6 +263,64 @@ json policies_json(const std::vector<PolicyFactory>& policies) {
         out.push_back(entry);
     }
     return out;
+}
+
+json run_json(double wall_seconds) {
+    return {{"wall_seconds", wall_seconds}, {"peak_rss_bytes", peak_rss_bytes()}};
+}
+
+int run_speed_benchmark(const Options& o) {
+    const auto start = std::chrono::steady_clock::now();
+    if (!o.verbose) llama_log_set(quiet_log, nullptr);
+    llama_backend_init();
+    Model model(o.model_path);
+    std::vector<PolicyFactory> policies;
+    for (const std::string& label : o.policies) policies.emplace_back(label, model.get(), o.engine);
+    for (const PolicyFactory& policy : policies)
+        if (!policy.is_full())
+            for (int64_t budget : o.budgets) policy.make_engine(budget);  // checks each budget against the policy
+
+    SpeedConfig config;
+    config.contexts = o.contexts;
+    config.decode_tokens = o.decode_tokens;
+    config.context.n_batch = o.n_batch;
+    config.context.n_threads = o.n_threads;
+    config.context.flash_attn = o.flash_attn;
+    config.seed = o.engine.seed;
+    if (!o.text_path.empty()) {
+        std::ifstream in(o.text_path, std::ios::binary);
+        if (!in) throw std::invalid_argument("cannot read the text file " + o.text_path);
+        std::stringstream text;
+        text << in.rdbuf();
+        config.text = model.tokenize(text.str());
+        if (config.text.empty()) throw std::invalid_argument(o.text_path + " has no tokens");
+    }
+    const std::vector<SpeedRow> rows = run_speed(model, policies, o.budgets, config);
+
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const std::string csv_path = with_extension(o.output_path, ".csv");
+    const json document = {
+        {"schema", kSchema},
+        {"mode", "speed"},
+        {"model", {{"path", o.model_path}, {"name", std::filesystem::path(o.model_path).filename().string()},
+                   {"identity", identity_json(model_identity(model.get()))},
+                   {"kv_bytes_per_cell", model.kv_bytes_per_cell()}}},
+        {"config", {{"policies", policies_json(policies)}, {"budgets", o.budgets}, {"contexts", o.contexts},
+                    {"decode_tokens", o.decode_tokens}, {"tokens", o.text_path.empty() ? "random" : o.text_path},
+                    {"threads", o.n_threads}, {"batch_size", o.n_batch}, {"flash_attn", o.flash_attn},
+                    {"combine", head_combine_name(o.engine.combine)}, {"evict_fraction", o.engine.evict_fraction}}},
+        {"run", run_json(wall)},
+        {"files", {{"csv", csv_path}}},
+        {"speed", rows}};
+    std::ofstream out(o.output_path);
+    out << document.dump(2) << '\n';
+    if (!out) throw std::runtime_error("cannot write " + o.output_path);
+    std::vector<json> objects(rows.begin(), rows.end());
+    write_csv_rows(csv_path, speed_csv_columns(), objects);
+    print_speed_table(std::cout, rows);
+    std::fprintf(stderr, "[kvp-bench] %zu speed cases in %s; wrote %s, %s\n", rows.size(), format_duration(wall).c_str(),
+                 o.output_path.c_str(), csv_path.c_str());
+    return 0;
 }
 
 int run_benchmark(const Options& o) {
@@ -359,6 +435,7 @@ int main(int argc, char** argv) {
     try {
         const Options options = parse_args(argc, argv);
         if (!options.score_path.empty()) return score_predictions(options.score_path);
+        if (options.speed) return run_speed_benchmark(options);
         return run_benchmark(options);
     } catch (const UsageError& e) {
         std::fprintf(stderr, "kvp-bench: %s (see kvp-bench --help)\n", e.what());

@@ -56,6 +56,18 @@ Moments moments(const std::vector<double>& values) {
 
 }  // namespace
 
+std::string display_label(const std::string& label) {
+    const bool prefixed = label.rfind("kvp:", 0) == 0;
+    const std::string suffix = ".kvp.bin";
+    const bool is_file = label.size() > suffix.size() && label.compare(label.size() - suffix.size(), suffix.size(), suffix) == 0;
+    if (!prefixed && !is_file) return label;
+    std::string name = prefixed ? label.substr(4) : label;
+    name = name.substr(name.find_last_of('/') + 1);  // npos + 1 == 0
+    if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+        name.resize(name.size() - suffix.size());
+    return "kvp:" + name;
+}
+
 double round_to_cents(double value) {
     // printf rounds the exact binary value half-to-even, as Python's round(value, 2) does.
     return std::strtod(format_fixed(value, 2).c_str(), nullptr);
@@ -191,7 +203,7 @@ void print_table(std::ostream& out, const std::vector<ResultRow>& rows) {
         return format_fixed(score, decimals) + " ± " + format_fixed(stderr_, decimals);
     };
     auto line_of = [&](const ResultRow& r, const std::string& task, double score, double stderr_, int64_t n) {
-        return Line{r.variant, r.policy, r.budget == kUnbounded ? "-" : std::to_string(r.budget), task,
+        return Line{r.variant, display_label(r.policy), r.budget == kUnbounded ? "-" : std::to_string(r.budget), task,
                     std::to_string(r.length), score_text(r.metric, score, stderr_), std::to_string(n)};
     };
 
@@ -224,34 +236,38 @@ void print_table(std::ostream& out, const std::vector<ResultRow>& rows) {
         i = j;
     }
 
-    const Line header{"variant", "policy", "budget", "task", "length", "score ± stderr", "n"};
+    std::vector<std::vector<std::string>> cells;
+    for (const Line& l : lines) cells.push_back({l.variant, l.policy, l.budget, l.task, l.length, l.score, l.n});
+    print_markdown_table(out, {"variant", "policy", "budget", "task", "length", "score ± stderr", "n"},
+                         {false, false, true, false, true, true, true}, cells);
+}
+
+void print_markdown_table(std::ostream& out, const std::vector<std::string>& header, const std::vector<bool>& right,
+                          const std::vector<std::vector<std::string>>& rows) {
     auto display_width = [](const std::string& s) {  // UTF-8 aware: "±" is two bytes, one column
         size_t n = 0;
         for (unsigned char c : s) n += (c & 0xC0) != 0x80;
         return n;
     };
-    auto width = [&](std::string Line::*field) {
-        size_t w = std::max<size_t>(3, display_width(header.*field));  // room for a "--:" separator
-        for (const Line& l : lines) w = std::max(w, display_width(l.*field));
-        return w;
-    };
-    const std::vector<std::pair<std::string Line::*, bool>> columns = {  // field, right-aligned
-        {&Line::variant, false}, {&Line::policy, false}, {&Line::budget, true}, {&Line::task, false},
-        {&Line::length, true},  {&Line::score, true},  {&Line::n, true}};
-    auto print = [&](const Line& l) {
+    std::vector<size_t> width(header.size());
+    for (size_t c = 0; c < header.size(); ++c) {
+        width[c] = std::max<size_t>(3, display_width(header[c]));  // room for a "--:" separator
+        for (const auto& row : rows) width[c] = std::max(width[c], display_width(row.at(c)));
+    }
+    auto print = [&](const std::vector<std::string>& row) {
         out << '|';
-        for (const auto& [field, right] : columns) {
-            const std::string& text = l.*field;
-            const std::string pad(width(field) - display_width(text), ' ');
-            out << ' ' << (right ? pad + text : text + pad) << " |";
+        for (size_t c = 0; c < header.size(); ++c) {
+            const std::string pad(width[c] - display_width(row[c]), ' ');
+            out << ' ' << (right[c] ? pad + row[c] : row[c] + pad) << " |";
         }
         out << '\n';
     };
     print(header);
     out << '|';
-    for (const auto& [field, right] : columns) out << ' ' << std::string(width(field) - (right ? 1 : 0), '-') << (right ? ":" : "") << " |";
+    for (size_t c = 0; c < header.size(); ++c)
+        out << ' ' << std::string(width[c] - (right[c] ? 1 : 0), '-') << (right[c] ? ":" : "") << " |";
     out << '\n';
-    for (const Line& l : lines) print(l);
+    for (const auto& row : rows) print(row);
 }
 
 std::vector<std::string> csv_columns() {
@@ -262,13 +278,17 @@ std::vector<std::string> csv_columns() {
 }
 
 void write_csv(const std::string& path, const std::vector<ResultRow>& rows) {
+    std::vector<json> objects;
+    for (const ResultRow& row : rows) objects.push_back(row);
+    write_csv_rows(path, csv_columns(), objects);
+}
+
+void write_csv_rows(const std::string& path, const std::vector<std::string>& columns, const std::vector<json>& rows) {
     std::ofstream out(path);
     if (!out) throw std::runtime_error("cannot write " + path);
-    const std::vector<std::string> columns = csv_columns();
     for (size_t c = 0; c < columns.size(); ++c) out << (c ? "," : "") << columns[c];
     out << '\n';
-    for (const ResultRow& row : rows) {
-        const json j = row;
+    for (const json& j : rows) {
         for (size_t c = 0; c < columns.size(); ++c) {
             const json& v = j.at(columns[c]);
             std::string text;

@@ -75,8 +75,15 @@ std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const 
 void print_table(std::ostream& out, const std::vector<ResultRow>& rows);
 
 void write_csv(const std::string& path, const std::vector<ResultRow>& rows);
+// Rows of JSON objects as CSV with the given columns: null as empty, floats in shortest round-trip form.
+void write_csv_rows(const std::string& path, const std::vector<std::string>& columns, const std::vector<json>& rows);
+// A markdown table (llama-bench style), columns padded to their widest cell, right-aligned where asked.
+void print_markdown_table(std::ostream& out, const std::vector<std::string>& header, const std::vector<bool>& right,
+                          const std::vector<std::vector<std::string>>& rows);
 std::vector<std::string> csv_columns();
 
 double round_to_cents(double value);  // Python's round(value, 2)
+// A policy label as tables show it: kvp:models/x.kvp.bin -> kvp:x (kvp_cpp.plot.short_label); others unchanged.
+std::string display_label(const std::string& label);
 
 }  // namespace kvp::bench

@@ -77,8 +77,11 @@ Session::Session(Model& model, const ContextOptions& options) : model_(model), n
     params.flash_attn_type = flash_attn_from_name(options.flash_attn);
     // The callback is installed once; listen() chooses which engines it reaches. With none listening it asks
     // llama.cpp for no tensor, so decoding is not split.
-    params.cb_eval = &Session::eval_callback;
-    params.cb_eval_user_data = this;
+    if (options.eval_callback) {
+        params.cb_eval = &Session::eval_callback;
+        params.cb_eval_user_data = this;
+    }
+    has_callback_ = options.eval_callback;
     ctx_ = llama_init_from_model(model.get(), params);
     if (!ctx_) throw std::runtime_error("cannot create a llama_context of " + std::to_string(options.n_ctx) + " cells");
     batch_ = llama_batch_init(options.n_batch, 0, 1);
@@ -93,6 +96,8 @@ void Session::listen(const std::vector<Engine*>& engines) {
     listeners_.clear();
     for (Engine* engine : engines)
         if (engine->needs_callback()) listeners_.push_back(engine);
+    if (!listeners_.empty() && !has_callback_)
+        throw std::logic_error("an engine that captures tensors needs a session with the eval callback");
 }
 
 bool Session::eval_callback(ggml_tensor* tensor, bool ask, void* user_data) {

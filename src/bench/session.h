@@ -47,6 +47,7 @@ struct ContextOptions {
     int n_batch = 512;
     int n_threads = 0;  // 0: llama.cpp's default (GGML_DEFAULT_N_THREADS)
     std::string flash_attn = "auto";
+    bool eval_callback = true;  // false: no callback at all, as llama.cpp runs without kvp (no engine may listen)
 };
 
 struct DecodeCounters {
@@ -91,6 +92,7 @@ private:
     llama_batch batch_{};
     int n_batch_ = 0;
     std::vector<Engine*> listeners_;
+    bool has_callback_ = true;
     DecodeCounters counters_;
 };
 
