@@ -171,11 +171,29 @@ def test_evicted_importance_per_budget():
 
 def test_baselines_only_evaluation_has_oracle_at_one(synthetic):
     result = ev.evaluate(TraceSet(synthetic[0]))
-    assert result["methods"] == ["random", "streaming", "knorm", "oracle"]
+    assert result["methods"] == ["random", "streaming", "knorm", "keydiff", "lagkv", "oracle"]
     assert result["per_head"]["oracle"]["mean"] == [1.0] * len(ev.BUDGETS)
     for method in ("random", "streaming", "knorm"):
         assert result["per_head"][method]["mean_over_budgets"] > 3.0
+    for method in ("keydiff", "lagkv"):  # the runtime's policies through the ranking view: worse than the oracle
+        assert np.isfinite(result["per_head"][method]["mean_over_budgets"])
+        assert result["per_head"][method]["mean_over_budgets"] > 1.0
     assert np.array(result["per_head"]["random"]["cost"]).shape == (2, 2, len(ev.BUDGETS))
+
+
+def test_ranking_view_baselines_score_as_the_runtime_policy(synthetic):
+    """keydiff in the evaluation is the engine's policy: its scores are the cosine similarity to the mean unit key
+    of the cached tokens, negated (docs/policies.md), recomputed here in float64."""
+    traces = TraceSet(synthetic[0])
+    index, cut = traces.prefixes("heldout")[0]
+    (trace,) = traces.read_prefix(index, cut, [1])
+    scores = ev.baseline_scores("keydiff", trace, np.random.default_rng(0), traces.identity(), 4, 16)
+    assert scores.shape == trace.importance.shape
+    k = trace.k.astype(np.float64)  # (H, cut, d): the anchor is the mean over every cached key
+    unit = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    mean = unit.mean(axis=1, keepdims=True)
+    expected = -(unit * (mean / np.linalg.norm(mean, axis=-1, keepdims=True))).sum(-1)
+    np.testing.assert_allclose(scores[:, 4 : cut - 16], expected[:, 4 : cut - 16], rtol=1e-4, atol=1e-5)
 
 
 def test_input_statistics_are_the_training_inputs_mean_and_inverse_std(synthetic):

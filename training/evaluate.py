@@ -9,7 +9,8 @@ prefixes (a ratio of sums: single prefixes with a near-zero optimal cost would d
 oracle σ* sorts by importance, so its normalised cost is 1. The per-head numbers are averaged over heads.
 
 Methods: "kvp" (the policy, scored by the runtime's kvp_cpp.Scorer), "random", "streaming" (keep the most recent),
-"knorm" (keep the lowest key L2 norm) and "oracle". Two modes: "per_head" ranks each head by its own scores;
+"knorm" (keep the lowest key L2 norm), "keydiff" and "lagkv" (the runtime's policies through the ranking view) and
+"oracle". Two modes: "per_head" ranks each head by its own scores;
 "shared" keeps one token set for every head of every layer, ranked by Σ over heads of the per-head softmax over
 tokens (the runtime's sum_softmax head combination), and reports the cost of that ranking for each head.
 """
@@ -35,13 +36,19 @@ __all__ = [
 ]  # fmt: skip
 
 BUDGETS = tuple(round(0.1 * i, 1) for i in range(1, 10))
-BASELINES = ("random", "streaming", "knorm")
+BASELINES = ("random", "streaming", "knorm", "keydiff", "lagkv")
+# Scored by the runtime's own policy objects through the ranking view (kvp_cpp._core.policy_ranking), so the
+# evaluation ranks exactly as the engine would; tova and snapkv need the queries of the prefix's last tokens, which
+# traces do not store (only K and V, the agents' inputs, plus a small verification slice of Q).
+RANKING_VIEW_BASELINES = ("keydiff", "lagkv")
 MODES = ("per_head", "shared")
 DEFAULT_SINK, DEFAULT_RECENT = 4, 16
 
 
-def baseline_scores(method: str, trace: LayerTrace, rng: np.random.Generator) -> np.ndarray:
-    """(H, c) keep-scores of an attention-free baseline (or the oracle) for every token of a prefix."""
+def baseline_scores(method: str, trace: LayerTrace, rng: np.random.Generator, identity: Optional[dict] = None,
+                    n_sink: int = DEFAULT_SINK, n_recent: int = DEFAULT_RECENT) -> np.ndarray:
+    """(H, c) keep-scores of an attention-free baseline (or the oracle) for every token of a prefix. keydiff and
+    lagkv need the model identity of the traces (TraceSet.identity())."""
     n_head, n_tokens = trace.importance.shape
     if method == "random":
         return rng.random((n_head, n_tokens))
@@ -49,6 +56,12 @@ def baseline_scores(method: str, trace: LayerTrace, rng: np.random.Generator) ->
         return np.broadcast_to(trace.positions.astype(np.float64), (n_head, n_tokens))
     if method == "knorm":
         return -np.linalg.norm(trace.k.astype(np.float64), axis=-1)
+    if method in RANKING_VIEW_BASELINES:
+        k = np.ascontiguousarray(trace.k.transpose(1, 0, 2), dtype=np.float32)
+        v = np.ascontiguousarray(trace.v.transpose(1, 0, 2), dtype=np.float32)
+        positions = np.ascontiguousarray(trace.positions, dtype=np.int64)
+        ranked = kvp_cpp._core.policy_ranking(method, identity, trace.layer, k, v, None, positions, n_sink, n_recent)
+        return np.asarray(ranked["scores"], dtype=np.float64)
     if method == "oracle":
         # log importance: its per-head softmax is the normalised importance, which the shared mode then sums.
         return np.log(np.maximum(trace.importance.astype(np.float64), np.finfo(np.float64).tiny))
@@ -123,7 +136,8 @@ def evaluate(
         for slot, trace in enumerate(layer_traces):
             optimal[slot] += evicted_importance(importance[slot], importance[slot], BUDGETS)
             for method in methods:
-                scores = score_kvp(trace) if method == "kvp" else baseline_scores(method, trace, rng)
+                scores = (score_kvp(trace) if method == "kvp" else
+                          baseline_scores(method, trace, rng, traces.identity(), n_sink, n_recent))
                 scores = np.asarray(scores, dtype=np.float64)[:, rankable]
                 evicted["per_head"][method][slot] += evicted_importance(importance[slot], scores, BUDGETS)
                 combined[method] = combined[method] + _softmax(scores).sum(axis=0)
