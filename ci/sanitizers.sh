@@ -3,10 +3,12 @@
 #   1. builds kvp_core, kvp_engine and the extension with -DKVP_SANITIZE=ON (AddressSanitizer + UBSan);
 #   2. runs tests/cpp/test_core.cpp, linked against those libraries, on policy files from the Python writer;
 #   3. runs a Python smoke (learned policies, one with non-finite scores, streaming and random, under eviction,
-#      state save/load, compress) on that extension, with the ASan runtime preloaded into the interpreter;
+#      state save/load and a refused load, compress) on that extension, with the ASan runtime preloaded into the
+#      interpreter;
 #   4. fuzzes the kvp.bin loader for KVP_FUZZ_SECONDS seconds (default 60) with fuzz/run.sh.
 # Needs cmake, gcc (CXX, default c++: its libasan is what gets preloaded) and a Python (PYTHON, default python3)
-# with kvp_cpp and llama-cpp-python installed. Installs clang (for libFuzzer), nanobind and cmake when missing.
+# with kvp_cpp and llama-cpp-python installed. Installs clang with its libFuzzer runtime (apt-get, as root),
+# nanobind and cmake when missing.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 build="${KVP_SANITIZE_BUILD_DIR:-$repo/build/sanitize}"
@@ -15,9 +17,22 @@ cxx="${CXX:-c++}"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:${UBSAN_OPTIONS:-}"
 mkdir -p "$build/policies"
 
-if ! command -v clang++ >/dev/null; then
-  echo "sanitizers: installing clang for libFuzzer"
-  apt-get update -qq && apt-get install -y -qq clang >/dev/null
+# libFuzzer needs clang and its compiler-rt (a separate package on Debian/Ubuntu: libclang-rt-N-dev, only
+# recommended by clang). CI runs as root with no terminal: apt must not ask anything.
+has_libfuzzer() {
+  command -v clang++ >/dev/null &&
+    echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' |
+      clang++ -x c++ -fsanitize=fuzzer,address,undefined - -o "$build/libfuzzer-probe" >/dev/null 2>&1
+}
+if ! has_libfuzzer; then
+  echo "sanitizers: installing clang and its libFuzzer runtime with apt-get"
+  export DEBIAN_FRONTEND=noninteractive
+  apt="apt-get -y -qq -o Dpkg::Use-Pty=0 --no-install-recommends"
+  apt-get update -qq >/dev/null
+  command -v clang++ >/dev/null || $apt install clang >/dev/null
+  major="$(clang++ --version | sed -n 's/.*clang version \([0-9]*\).*/\1/p' | head -n 1)"
+  $apt install "libclang-rt-$major-dev" >/dev/null 2>&1 || true  # older releases ship it inside clang
+  has_libfuzzer || { echo "sanitizers: clang++ cannot link -fsanitize=fuzzer,address,undefined" >&2; exit 1; }
 fi
 "$python" -m nanobind --cmake_dir >/dev/null 2>&1 || "$python" -m pip install -q nanobind
 command -v cmake >/dev/null || "$python" -m pip install -q cmake
@@ -66,7 +81,7 @@ libasan="$("$cxx" -print-file-name=libasan.so)"
 [ -f "$libasan" ] || { echo "sanitizers: $cxx has no libasan.so to preload" >&2; exit 1; }
 # CPython itself leaks by design: leak checking stays with test_core and the fuzzer.
 PYTHONPATH="$site:$repo/tests" LD_PRELOAD="$libasan" ASAN_OPTIONS="${ASAN_OPTIONS:-}:detect_leaks=0" "$python" - <<'PY'
-import os, tempfile
+import copy, os, tempfile
 import kvp_cpp
 from kvp_cpp import policy_file as pf
 from test_hostile import overflowing_policy
@@ -81,7 +96,16 @@ for policy in (learned, overflowing, "streaming", "random"):
     llm = kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=64, kv_policy=policy, n_threads=1, verbose=False)
     llm.load_state(llm.save_state())  # an empty cache
     text = llm.create_completion(prompt, max_tokens=16, temperature=0.0)["choices"][0]["text"]
-    llm.load_state(llm.save_state())
+    state = llm.save_state()
+    spoiled = copy.copy(state)
+    spoiled.llama_state = bytes(len(state.llama_state))  # llama.cpp refuses it: load_state undoes what it did
+    try:
+        llm.load_state(spoiled)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("a zeroed llama state was accepted")
+    llm.load_state(state)
     llm.kv_compress(32)
     llm.eval(llm.tokenize(b" and the sun is yellow"))
     stats = llm.kv_stats()

@@ -299,6 +299,11 @@ NB_MODULE(_core, m) {
         .def("restore",
              [](kvp::Engine& e, nb::bytes image) { e.restore(reinterpret_cast<const uint8_t*>(image.c_str()), image.size()); },
              "image"_a)
+        .def("check_image",
+             [](const kvp::Engine& e, nb::bytes image) {
+                 e.check_image(reinterpret_cast<const uint8_t*>(image.c_str()), image.size());
+             },
+             "image"_a)
         .def("stats",
              [](const kvp::Engine& e) {
                  const kvp::EngineStats s = e.stats();

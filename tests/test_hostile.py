@@ -6,6 +6,7 @@ whole path a user takes (kvp_cpp.Llama(model, kv_policy=path)).
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -195,6 +196,10 @@ def truncate_engine_state(state, env):
     state.kv_engine_state = state.kv_engine_state[:-3]
 
 
+def zero_llama_state(state, env):
+    state.llama_state = bytes(len(state.llama_state))
+
+
 def engine_state_of_another_policy(state, env):
     other = env.llama(kv_policy="streaming", kv_budget=LIVE_BUDGET)
     other.eval(noise_tokens(other, 40))
@@ -225,12 +230,22 @@ CASES = [
     Case("budget-negative-numpy", with_budget(kv_budget=np.int64(-3)), ValueError, "kv_budget -3"),
     Case("budget-over-2**24", with_budget(kv_budget=(1 << 24) + 1), ValueError, "larger than any KV cache"),
     Case("budget-2**64", with_budget(kv_budget=1 << 64), ValueError, "larger than any KV cache"),
-    Case("budget-2**24-original-positions",
-         with_budget(kv_budget=1 << 24, kv_position_mode="original"), ValueError, "Failed to create llama_context",
+    # 2**24 cells of SmolLM2 are 360 GiB: refused before llama.cpp allocates (isolated in case it ever is not)
+    Case("budget-2**24-original-positions", with_budget(kv_budget=1 << 24, kv_position_mode="original"), ValueError,
+         r"kv_budget 16777216 needs a KV cache of 386547056640 bytes .* than the \d+ bytes .* of physical memory",
          isolated=True),  # fmt: skip
     Case("budget-bool", with_budget(kv_budget=True), ValueError, "kv_budget must be an integer"),
     Case("budget-str", with_budget(kv_budget="512"), ValueError, "kv_budget must be an integer"),
     Case("budget-inf", with_budget(kv_budget=float("inf")), ValueError, "kv_budget must be an integer"),
+    # the random policy's seed: an unsigned 64-bit integer
+    Case("seed-negative", lambda env: env.llama(kv_policy="random", kv_seed=-1), ValueError,
+         r"kv_seed must be an integer in \[0, 2\*\*64\), got -1$"),  # fmt: skip
+    Case("seed-negative-numpy", lambda env: env.llama(kv_policy="random", kv_seed=np.int64(-7)), ValueError,
+         "kv_seed must be an integer"),  # fmt: skip
+    Case("seed-2**64", lambda env: env.llama(kv_policy="random", kv_seed=1 << 64), ValueError,
+         "got 18446744073709551616$"),  # fmt: skip
+    Case("seed-float", lambda env: env.llama(kv_policy="random", kv_seed=1.5), ValueError, "got 1.5$"),
+    Case("seed-str", lambda env: env.llama(kv_policy="random", kv_seed="7"), ValueError, "got '7'$"),
     Case("compress-to-zero", lambda env: env.live.kv_compress(0), ValueError, "cannot compress to 0 cells"),
     Case("compress-negative", lambda env: env.live.kv_compress(-1), ValueError, "cannot compress to -1 cells"),
     Case("compress-beyond-context", lambda env: env.live.kv_compress(1 << 40), ValueError, "the context has 256"),
@@ -251,11 +266,21 @@ CASES = [
          "llama_decode returned -1"),  # fmt: skip
     Case("state-truncated", load_state_with(truncate_engine_state), ValueError, "kvp ledger image"),
     Case("state-of-another-policy", load_state_with(engine_state_of_another_policy), ValueError, "another policy"),
+    Case("state-size-mismatch", load_state_with(lambda state, env: setattr(state, "llama_state_size", 7)), ValueError,
+         "llama_state_size is 7 but llama_state holds"),  # fmt: skip
+    Case("state-llama-bytes-zeroed", load_state_with(zero_llama_state), RuntimeError, "llama.cpp refused"),
+    Case("state-n_tokens-beyond-input_ids", load_state_with(lambda state, env: setattr(state, "n_tokens", 1 << 40)),
+         ValueError, r"n_tokens 1099511627776 is outside 0\.\.\d+"),  # fmt: skip
     # kvp methods after close()
     Case("kv_stats-after-close", lambda env: env.closed_llama().kv_stats(), RuntimeError, "closed", isolated=True),
     Case("kv_compress-after-close", lambda env: env.closed_llama().kv_compress(32), RuntimeError, "closed",
          isolated=True),  # fmt: skip
+    Case("kv_set_budget-after-close", lambda env: env.closed_llama().kv_set_budget(96), RuntimeError, "closed",
+         isolated=True),  # fmt: skip
     Case("eval-after-close", lambda env: env.closed_llama().eval([1, 2, 3]), RuntimeError, "closed", isolated=True),
+    Case("generate-after-close", lambda env: next(env.closed_llama().generate([1, 2, 3])), RuntimeError, "closed",
+         isolated=True),  # fmt: skip
+    Case("reset-after-close", lambda env: env.closed_llama().reset(), RuntimeError, "closed", isolated=True),
     Case("completion-after-close", lambda env: complete(env.closed_llama()), RuntimeError, "closed", isolated=True),
     Case("save_state-after-close", lambda env: env.closed_llama().save_state(), RuntimeError, "closed",
          isolated=True),  # fmt: skip
@@ -382,7 +407,25 @@ def test_policy_with_non_finite_scores_still_evicts_within_budget(model_path, tm
     logical = llm.kv_engine.ledger()["logical"]
     n = 6 * LIVE_BUDGET
     assert logical[:4].tolist() == [0, 1, 2, 3] and logical[-16:].tolist() == list(range(n - 16, n))
+    # Every cached token has a non-finite score in some head (90 columns), so every keep-score is the lowest and the
+    # ties go to the older token: exactly the sinks and the newest tokens stay, as under the streaming policy.
+    assert not np.isfinite(scores).all(axis=1).any()
+    assert logical[4:].tolist() == list(range(n - len(logical) + 4, n))
     assert complete(llm, max_tokens=4)
+
+
+@pytest.mark.parametrize("combine", kvp_cpp.llama.HEAD_COMBINES)
+def test_non_finite_scores_are_the_lowest_keep_score(combine):
+    """A token with a NaN or infinite score in any column gets keep-score -inf, and the others are combined as if it
+    were absent (tests/cpp/test_core.cpp checks the victims the evictor then picks)."""
+    finite = np.array([[3, 0], [5, 2], [1, 1], [0.5, 0]], np.float32)
+    nan, inf = np.float32("nan"), np.float32("inf")
+    mixed = np.array([[3, 0], [nan, 1], [5, 2], [1, inf], [1, 1], [-inf, -inf], [0.5, 0], [nan, nan]], np.float32)
+    keep = _core.combined_keep_scores(mixed, combine)
+    assert keep[[1, 3, 5, 7]].tolist() == [-np.inf] * 4
+    np.testing.assert_array_equal(keep[[0, 2, 4, 6]], _core.combined_keep_scores(finite, combine))
+    assert np.isfinite(keep[[0, 2, 4, 6]]).all()
+    assert _core.combined_keep_scores(mixed[[1, 7]], combine).tolist() == [-np.inf, -np.inf]
 
 
 # --- a policy file that changes on disk -----------------------------------------------------------------------------
@@ -483,6 +526,77 @@ def test_one_instance_from_two_threads_is_serialised_or_refused(model_path):
             assert thread["error"] == "RuntimeError" and re.search(CONCURRENT_USE_REFUSAL, thread["message"]), report
         else:
             assert thread["same"], report
+
+
+# --- a refused state changes nothing ----------------------------------------------------------------------------------
+
+# How a saved state is spoiled (attributes to replace), what load_state raises and a pattern of its message.
+BAD_STATES = {
+    "ledger-truncated": (lambda s: {"kv_engine_state": s.kv_engine_state[:-3]}, ValueError, "kvp ledger image"),
+    "ledger-over-budget": (lambda s: {"kv_engine_state": s.kv_engine_state[:8] + bytes(8)}, ValueError, "ledger"),
+    "llama-size-mismatch": (lambda s: {"llama_state_size": s.llama_state_size + 1}, ValueError, "llama_state_size"),
+    "n_tokens-negative": (lambda s: {"n_tokens": -1}, ValueError, "n_tokens -1 is outside"),
+    "scores-wrong-shape": (lambda s: {"scores": np.zeros((2, 3), np.single)}, ValueError, "saved scores"),
+    # llama.cpp reads these and refuses them, possibly after clearing the cache: undone from a copy
+    "llama-bytes-zeroed": (lambda s: {"llama_state": bytes(len(s.llama_state))}, RuntimeError, "refused"),
+    "llama-bytes-halved": (lambda s: {"llama_state": s.llama_state[: len(s.llama_state) // 2],
+                                      "llama_state_size": len(s.llama_state) // 2}, RuntimeError, "refused"),
+}  # fmt: skip
+
+
+def continue_greedily(llm, n: int) -> list:
+    """Greedy continuation of the logical history as it stands (generate() reuses the cached prefix)."""
+    return list(itertools.islice(llm.generate(llm.input_ids[: llm.n_tokens].tolist(), temp=0.0), n))
+
+
+def everything_about(llm) -> tuple:
+    state = llm.save_state()
+    ledger = llm.kv_engine.ledger()
+    return (llm.n_tokens, llm.input_ids[: llm.n_tokens].tolist(), state.llama_state, state.kv_engine_state,
+            ledger["logical"].tolist(), ledger["cache_pos"].tolist(), sorted(cached_positions(llm).tolist()),
+            llm.kv_stats()["cells_used"])  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", list(BAD_STATES))
+def test_refused_load_state_leaves_the_llama_as_it_was(model_path, tmp_path, bad):
+    env = Env(model_path, tmp_path)
+    llm = env.llama(kv_policy=env.policy_file(SMOLLM2_BLOB), kv_budget=LIVE_BUDGET)
+    llm.eval(noise_tokens(llm, 3 * LIVE_BUDGET))
+    older = llm.save_state()  # the spoiled state is made from this one: half loading it would show
+    llm.eval(llm.tokenize(b" Now for something completely different:", add_bos=False))
+    current = llm.save_state()
+    change, error, match = BAD_STATES[bad]
+    spoiled = copy.copy(older)
+    for name, value in change(older).items():
+        setattr(spoiled, name, value)
+    before = everything_about(llm)
+
+    with pytest.raises(error, match=match):
+        llm.load_state(spoiled)
+    assert everything_about(llm) == before
+    continued = continue_greedily(llm, 12)
+    llm.load_state(current)
+    assert continue_greedily(llm, 12) == continued
+    assert_cache_consistent(llm, LIVE_BUDGET)
+
+
+# --- a KV cache larger than the machine ---------------------------------------------------------------------------
+
+
+def test_budget_beyond_physical_memory_is_refused_before_allocation(model_path, tmp_path, monkeypatch):
+    env = Env(model_path, tmp_path)
+    per_cell = env.llama(kv_policy="streaming", kv_budget=256).kv_stats()["kv_bytes_allocated"] // 256
+    memory = 64 << 20
+    monkeypatch.setattr(sys.modules["kvp_cpp.llama"], "_physical_memory_bytes", lambda: memory)
+    cells = memory // per_cell // 256 * 256 + 256  # the first multiple of 256 cells that does not fit
+    before = rss_bytes()
+    for budget in (cells, cells - 255):  # llama.cpp would round the second up to the first
+        with pytest.raises(ValueError, match=rf"^kv_budget {budget} needs a KV cache of {cells * per_cell} bytes "
+                                             rf"\({cells} cells, .* than the {memory} bytes \(0.1 GiB\) of physical"):
+            env.llama(kv_policy="streaming", kv_budget=budget)
+    assert rss_bytes() - before < 16 << 20
+    llm = env.llama(kv_policy="streaming", kv_budget=cells - 256)  # fits
+    assert llm.kv_stats()["kv_bytes_allocated"] == (cells - 256) * per_cell <= memory
 
 
 # --- memory is bounded by the budget, not by the tokens seen ---------------------------------------------------------

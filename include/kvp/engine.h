@@ -118,9 +118,12 @@ public:
 
     EngineStats stats() const;
 
-    // Ledger + counters, for save_state/load_state. restore() expects the KV cells to be restored separately.
+    // Ledger + counters, for save_state/load_state. restore() expects the KV cells to be restored separately; it
+    // checks the whole image before it changes anything. check_image() throws exactly what restore() would for
+    // the image (std::invalid_argument) and changes nothing: load_state validates with it before touching llama.cpp.
     std::vector<uint8_t> save() const;
     void restore(const uint8_t* data, size_t size);
+    void check_image(const uint8_t* data, size_t size) const;
 
 private:
     struct LayerCapture {
@@ -141,6 +144,7 @@ private:
     void forget_entries(size_t first, size_t last);
     void require_attached() const;
     void check_budget(int64_t budget, const char* action) const;
+    Ledger parse_image(const uint8_t* data, size_t size, int64_t* next_logical) const;
 
     EngineConfig config_;
     ModelIdentity identity_;

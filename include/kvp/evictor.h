@@ -29,12 +29,14 @@ struct Protection {
 // Ledger indices that may be evicted.
 std::vector<size_t> eviction_candidates(const Ledger& ledger, Protection protection);
 
-// One keep-score per candidate (same order as `candidates`).
+// One keep-score per candidate (same order as `candidates`). A candidate with a non-finite score (NaN, +inf or
+// -inf) in any column gets -inf, the lowest keep-score, and the others are combined as if it were absent.
 std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector<size_t>& candidates,
                                          HeadCombine combine);
 
 // The n_evict candidates with the lowest keep-score, as ascending ledger indices. Ties go to the older token
-// (smaller logical index), so the order is deterministic. Throws std::logic_error if too few candidates exist.
+// (smaller logical index), so the order is deterministic; tokens with a non-finite score leave first, oldest first.
+// Throws std::logic_error if too few candidates exist.
 std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, size_t n_evict, HeadCombine combine);
 
 }  // namespace kvp

@@ -24,6 +24,9 @@ from .shipped import SHIPPED_NAME, shipped_policy_for
 #: ``input_ids`` (4 bytes per token) grows with it; the KV cache stays at the budget.
 DEFAULT_MAX_TOKENS = 1 << 20
 
+#: llama.cpp allocates KV cells in multiples of this (a budget of 300 gets a 512-cell context).
+KV_CELL_ROUNDING = 256
+
 POSITION_MODES = ("compact", "original")
 HEAD_COMBINES = ("sum_softmax", "max_softmax", "mean", "mean_rank")
 
@@ -34,6 +37,11 @@ def _address(pointer) -> int:
     if not address:
         raise RuntimeError("null llama.cpp handle (was this Llama closed?)")
     return address
+
+
+def _physical_memory_bytes() -> int:
+    """The machine's physical memory, the ceiling for a KV cache (see ``Llama``'s ``kv_budget``)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def model_identity(model_path: str) -> Dict[str, Any]:
@@ -115,7 +123,10 @@ class Llama(llama_cpp.Llama):
     - ``kv_policy``: ``None`` (plain llama.cpp), ``"kvp"`` (the shipped learned policy for this model), a built-in
       heuristic (see ``builtin_policies()``) or a path to a ``.kvp.bin`` file trained for this model.
     - ``kv_budget``: cells the sequence may hold, in tokens; defaults to ``n_ctx``. The context is allocated for
-      exactly this budget (llama.cpp rounds it up to a multiple of 256).
+      exactly this budget (llama.cpp rounds it up to a multiple of 256). A budget whose KV cache, at that rounded
+      size and the context's ``type_k``/``type_v``, needs more bytes than the machine's physical memory
+      (``SC_PHYS_PAGES * SC_PAGE_SIZE``) is refused with a ValueError naming both, before that cache is
+      allocated. (With ``kv_budget=None`` the budget is ``n_ctx``, which ``llama_cpp.Llama`` allocates first.)
     - ``kv_sink`` / ``kv_recent``: the first and the last tokens that are never evicted (defaults: the policy
       file's, else 4 and 16). ``kv_recent`` >= 1, since a batch must follow the newest cached position. On models
       with sliding-window layers (Gemma 3) it is raised to the window, whose tokens must stay for those layers.
@@ -125,7 +136,8 @@ class Llama(llama_cpp.Llama):
     - ``kv_head_combine``: how per-head scores become one keep-score per token (cells are shared by all heads):
       ``"sum_softmax"`` (default), ``"max_softmax"``, ``"mean"``, ``"mean_rank"``.
     - ``kv_compact_limit``: in compact mode, positions stay below this (default 0: the model's n_ctx_train).
-    - ``kv_seed``: seed of the ``random`` policy. ``kv_max_tokens``: the logical length limit (default 2**20).
+    - ``kv_seed``: seed of the ``random`` policy, an integer in [0, 2**64). ``kv_max_tokens``: the logical length
+      limit (default 2**20).
     - ``kv_kernel`` / ``kv_threads``: scorer kernel (``"auto"`` or a name from ``available_kernels()``) and threads.
     """
 
@@ -175,6 +187,7 @@ class Llama(llama_cpp.Llama):
             position_mode=kv_position_mode, evict_fraction=float(kv_evict_fraction), combine=kv_head_combine,
             compact_limit=int(kv_compact_limit), seed=int(kv_seed), kernel=kv_kernel, n_threads=int(kv_threads),
         )
+        self._check_kv_cache_fits(int(budget))
         self._recreate_context(engine, int(budget))
         self._kvp_engine = engine
         self._n_ctx = int(kv_max_tokens)
@@ -224,6 +237,9 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"kv_head_combine must be one of {HEAD_COMBINES}, got {args['kv_head_combine']!r}")
         if not 0.0 <= float(args["kv_evict_fraction"]) <= 1.0:
             raise ValueError("kv_evict_fraction must be in [0, 1]")
+        seed = args["kv_seed"]
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < (1 << 64):
+            raise ValueError(f"kv_seed must be an integer in [0, 2**64), got {seed!r}")
         if args["kv_max_tokens"] < 1:
             raise ValueError("kv_max_tokens must be positive")
         if kwargs.get("draft_model") is not None:
@@ -232,6 +248,19 @@ class Llama(llama_cpp.Llama):
             raise ValueError("kv_policy needs the model's weights; it cannot be combined with vocab_only=True")
         if kwargs.get("embedding"):
             raise ValueError("kv_policy applies to generation; it cannot be combined with embedding=True")
+
+    def _check_kv_cache_fits(self, budget: int) -> None:
+        """Refuses a budget whose KV cache would not fit in the machine's physical memory, before llama.cpp
+        allocates (and zero-fills) it: with overcommit the allocation itself succeeds and the process is killed."""
+        cells = -(-budget // KV_CELL_ROUNDING) * KV_CELL_ROUNDING
+        needed = int(_core.kv_cache_bytes(_address(self._model.model), cells, self.context_params.type_k,
+                                          self.context_params.type_v))
+        available = _physical_memory_bytes()
+        if needed > available:
+            raise ValueError(
+                f"kv_budget {budget} needs a KV cache of {needed} bytes ({cells} cells, {needed / 2**30:.1f} GiB), "
+                f"more than the {available} bytes ({available / 2**30:.1f} GiB) of physical memory on this machine"
+            )
 
     def _recreate_context(self, engine: "_core.Engine", budget: int) -> None:
         recreate_context(self, callback_address=engine.callback_address, user_data=engine.address, n_ctx=budget,
@@ -350,13 +379,58 @@ class Llama(llama_cpp.Llama):
         )
 
     def load_state(self, state: llama_cpp.LlamaState) -> None:
+        """Restores a state from ``save_state()``. With a kv_policy, all or nothing: a state that is refused (a
+        corrupt or foreign ledger image, sizes that do not match, or llama.cpp refusing its part) raises and leaves
+        this Llama as it was, cache, ledger, ``input_ids`` and ``n_tokens`` included. To undo a refusal by
+        llama.cpp, which may already have overwritten the cache, the current llama.cpp state is copied first (the KV
+        cache at the budget and the last logits: as much memory again as a saved state, for the call's duration)."""
         if self._kvp_engine is not None and not isinstance(state, KvpLlamaState):
             raise ValueError("this state was saved without a kv_policy; it cannot be loaded into a policy-driven Llama")
         if self._kvp_engine is None:
             return super().load_state(state)
         with self._use():
-            super().load_state(state)
-            self._kvp_engine.restore(state.kv_engine_state)
+            self._load_state_or_nothing(self._kvp_engine, state)
+
+    def _load_state_or_nothing(self, engine: "_core.Engine", state: KvpLlamaState) -> None:
+        # Everything checkable is checked before anything changes (llama_cpp.Llama.load_state sets input_ids and
+        # n_tokens first and fails afterwards).
+        engine.check_image(state.kv_engine_state)
+        size = int(state.llama_state_size)
+        if size != len(state.llama_state):
+            raise ValueError(f"llama_state_size is {size} but llama_state holds {len(state.llama_state)} bytes")
+        n_tokens = int(state.n_tokens)
+        if not 0 <= n_tokens <= len(state.input_ids):
+            raise ValueError(f"n_tokens {n_tokens} is outside 0..{len(state.input_ids)} (the saved input_ids)")
+        try:
+            np.broadcast_to(state.scores, self.scores[:n_tokens, :].shape)
+        except ValueError:
+            raise ValueError(f"the saved scores {np.shape(state.scores)} do not fit this Llama's "
+                             f"{self.scores[:n_tokens, :].shape}") from None
+
+        ctx = self._ctx.ctx
+        previous = (ctypes.c_uint8 * int(llama_cpp.llama_state_get_size(ctx)))()
+        previous_size = llama_cpp.llama_state_get_data(ctx, previous, len(previous))
+        loaded = (ctypes.c_uint8 * size).from_buffer_copy(state.llama_state)
+        try:
+            if llama_cpp.llama_state_set_data(ctx, loaded, size) != size:
+                raise RuntimeError("Failed to set llama state data (llama.cpp refused the saved state)")
+            engine.restore(state.kv_engine_state)  # checked above: only a logic error can fail here
+        except BaseException:
+            if llama_cpp.llama_state_set_data(ctx, previous, previous_size) != previous_size:
+                # Not expected (llama.cpp wrote that image itself a moment ago): at least keep the cache, the ledger
+                # and the logical history consistent, empty.
+                engine.reset()
+                self.n_tokens = 0
+            raise
+
+        # As llama_cpp.Llama.load_state, now that nothing can fail.
+        self.scores[:n_tokens, :] = state.scores
+        rest = self.scores[n_tokens:, :]
+        rest[rest > 0] = 0.0
+        self.input_ids = state.input_ids.copy()
+        self.n_tokens = n_tokens
+        self._requires_eval = True
+        self._seed = state.seed
 
     def __getstate__(self):
         state = super().__getstate__()

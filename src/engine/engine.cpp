@@ -446,18 +446,28 @@ std::vector<uint8_t> Engine::save() const {
     return out;
 }
 
-void Engine::restore(const uint8_t* data, size_t size) {
+Ledger Engine::parse_image(const uint8_t* data, size_t size, int64_t* next_logical) const {
     if (in_batch_) throw std::logic_error("cannot restore state during a batch");
     if (size < sizeof(int64_t)) throw std::invalid_argument("kvp engine state is truncated");
-    int64_t next_logical;
-    std::memcpy(&next_logical, data, sizeof(int64_t));
+    std::memcpy(next_logical, data, sizeof(int64_t));
     Ledger ledger = Ledger::deserialize(data + sizeof(int64_t), size - sizeof(int64_t));
     if (ledger.n_columns() != ledger_.n_columns())
         throw std::invalid_argument("kvp engine state was saved with another policy (score columns differ)");
     if (int64_t(ledger.size()) > config_.budget)
         throw std::invalid_argument("kvp engine state holds more tokens than kv_budget");
-    if (!ledger.empty() && ledger.logical(ledger.size() - 1) >= next_logical)
+    if (!ledger.empty() && ledger.logical(ledger.size() - 1) >= *next_logical)
         throw std::invalid_argument("kvp engine state is inconsistent");
+    return ledger;
+}
+
+void Engine::check_image(const uint8_t* data, size_t size) const {
+    int64_t next_logical;
+    parse_image(data, size, &next_logical);
+}
+
+void Engine::restore(const uint8_t* data, size_t size) {
+    int64_t next_logical;
+    Ledger ledger = parse_image(data, size, &next_logical);
     forget_entries(0, ledger_.size());
     ledger_ = std::move(ledger);
     next_logical_ = next_logical;

@@ -36,29 +36,44 @@ std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector
     const int n_columns = ledger.n_columns();
     std::vector<double> keep(n, combine == HeadCombine::max_softmax ? -INFINITY : 0.0);
     if (n == 0) return keep;
-    std::vector<double> column(n);
-    std::vector<size_t> order(n);
+    // A candidate with a NaN or infinite score in any column (a hostile or overflowing policy) gets the lowest
+    // keep-score, -inf, and takes no part in the combination: the others are combined as if it were absent, so a
+    // single NaN cannot poison a softmax, a mean or a sort.
+    std::vector<size_t> finite;  // positions in `candidates` whose every score is finite
+    finite.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+        const float* row = ledger.scores(candidates[i]);
+        if (std::all_of(row, row + n_columns, [](float x) { return std::isfinite(x); }))
+            finite.push_back(i);
+        else
+            keep[i] = -INFINITY;
+    }
+    const size_t m = finite.size();
+    if (m == 0) return keep;
+    std::vector<double> column(m);
+    std::vector<size_t> order(m);
     for (int c = 0; c < n_columns; ++c) {
-        for (size_t i = 0; i < n; ++i) column[i] = ledger.scores(candidates[i])[c];
+        for (size_t j = 0; j < m; ++j) column[j] = ledger.scores(candidates[finite[j]])[c];
         switch (combine) {
             case HeadCombine::sum_softmax:
             case HeadCombine::max_softmax: {
                 const double peak = *std::max_element(column.begin(), column.end());
                 double total = 0.0;
                 for (double& x : column) total += (x = std::exp(x - peak));
-                for (size_t i = 0; i < n; ++i) {
-                    const double p = column[i] / total;
-                    keep[i] = combine == HeadCombine::sum_softmax ? keep[i] + p : std::max(keep[i], p);
+                for (size_t j = 0; j < m; ++j) {
+                    const double p = column[j] / total;
+                    double& k = keep[finite[j]];
+                    k = combine == HeadCombine::sum_softmax ? k + p : std::max(k, p);
                 }
                 break;
             }
             case HeadCombine::mean:
-                for (size_t i = 0; i < n; ++i) keep[i] += column[i] / n_columns;
+                for (size_t j = 0; j < m; ++j) keep[finite[j]] += column[j] / n_columns;
                 break;
             case HeadCombine::mean_rank: {
                 std::iota(order.begin(), order.end(), size_t(0));
                 std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return column[a] < column[b]; });
-                for (size_t r = 0; r < n; ++r) keep[order[r]] += double(r) / n_columns;
+                for (size_t r = 0; r < m; ++r) keep[finite[order[r]]] += double(r) / n_columns;
                 break;
             }
         }

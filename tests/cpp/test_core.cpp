@@ -4,7 +4,8 @@
 //
 // For every file: the loaded Policy, encoded again by the minimal writer below, is byte-identical to the file, and
 // every kernel set's scores match a double-precision re-computation written out here from the spec. Then the
-// evictor on hand-made ledgers, and the ledger's image round trip and its rejection of corrupt images.
+// evictor on hand-made ledgers (non-finite scores included), and the ledger's image round trip and its rejection of
+// corrupt images.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -313,6 +315,33 @@ void test_evictor() {
     double total = 0.0;
     for (double x : keep) total += x;
     CHECK(std::fabs(total - 2.0) < 1e-12);  // each column's softmax sums to one
+
+    // Non-finite scores (a hostile or overflowing policy) are the lowest keep-score, whatever the combination: they
+    // leave first, oldest first, and the finite candidates are ranked as if they were absent. The NaN on sink 1 and
+    // the inf on recent 8 are protected all the same.
+    const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+    const kvp::Ledger non_finite = make_ledger(
+        logical, {{-9}, {nan}, {3}, {nan}, {5}, {inf}, {0.5f}, {-9}, {inf}, {-9}});
+    const kvp::Ledger all_non_finite = make_ledger(
+        logical, {{-9}, {-9}, {-inf}, {nan}, {inf}, {nan}, {-inf}, {-9}, {-9}, {-9}});
+    //                             cand 2      cand 3 (NaN)   cand 4     cand 5      cand 6
+    const kvp::Ledger nan_in_one_column = make_ledger(
+        logical, {{0, 0}, {0, 0}, {100, 0}, {0, nan}, {50, 2}, {0, 1}, {0, 0}, {0, 0}, {0, 0}, {0, 0}});
+    for (kvp::HeadCombine combine :
+         {kvp::HeadCombine::sum_softmax, kvp::HeadCombine::max_softmax, kvp::HeadCombine::mean,
+          kvp::HeadCombine::mean_rank}) {
+        CHECK(kvp::select_victims(non_finite, protection, 1, combine) == V{3});  // NaN and inf tie: the older goes
+        CHECK(kvp::select_victims(non_finite, protection, 2, combine) == (V{3, 5}));
+        CHECK(kvp::select_victims(non_finite, protection, 3, combine) == (V{3, 5, 6}));
+        CHECK(kvp::select_victims(non_finite, protection, 4, combine) == (V{2, 3, 5, 6}));
+        CHECK(kvp::select_victims(all_non_finite, protection, 2, combine) == (V{2, 3}));
+        CHECK(kvp::select_victims(all_non_finite, protection, 5, combine) == (V{2, 3, 4, 5, 6}));
+        const std::vector<double> keep = kvp::combined_keep_scores(nan_in_one_column, {2, 3, 4, 5, 6}, combine);
+        const std::vector<double> without = kvp::combined_keep_scores(two_columns, {2, 4, 5, 6}, combine);
+        CHECK(keep[1] == -INFINITY);
+        CHECK(keep[0] == without[0] && keep[2] == without[1] && keep[3] == without[2] && keep[4] == without[3]);
+        CHECK(kvp::select_victims(nan_in_one_column, protection, 1, combine) == V{3});
+    }
 
     // After an eviction the logical indices have gaps: the sinks are found by logical index, not by position.
     kvp::Ledger gapped = make_ledger(logical, {{0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}});
