@@ -7,8 +7,8 @@
 #      interpreter;
 #   4. fuzzes the kvp.bin loader for KVP_FUZZ_SECONDS seconds (default 60) with fuzz/run.sh.
 # Needs cmake, gcc (CXX, default c++: its libasan is what gets preloaded) and a Python (PYTHON, default python3)
-# with kvp_cpp and llama-cpp-python installed. Installs clang with its libFuzzer runtime (apt-get, as root),
-# nanobind and cmake when missing.
+# with kvp_cpp and llama-cpp-python installed. Installs clang with its libFuzzer runtime (apt-get, as root), the
+# build requirements nanobind and nlohmann-json, and cmake when missing.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 build="${KVP_SANITIZE_BUILD_DIR:-$repo/build/sanitize}"
@@ -34,7 +34,14 @@ if ! has_libfuzzer; then
   $apt install "libclang-rt-$major-dev" >/dev/null 2>&1 || true  # older releases ship it inside clang
   has_libfuzzer || { echo "sanitizers: clang++ cannot link -fsanitize=fuzzer,address,undefined" >&2; exit 1; }
 fi
-"$python" -m nanobind --cmake_dir >/dev/null 2>&1 || "$python" -m pip install -q nanobind
+# The cmake build below needs what pip puts in an isolated build env for `pip install .` ([build-system] requires
+# in pyproject.toml), in this Python: nanobind and nlohmann-json (llama-cpp-python is installed already).
+if ! "$python" -c 'import nanobind, nlohmann_json' 2>/dev/null; then
+  requires="$(sed -n 's/^requires = \[\(.*\)\]$/\1/p' "$repo/pyproject.toml" | tr -d ' "' | tr ',' '\n' |
+    grep -E '^(nanobind|nlohmann-json)')"
+  echo "sanitizers: installing the build requirements" $requires
+  "$python" -m pip install -q $requires
+fi
 command -v cmake >/dev/null || "$python" -m pip install -q cmake
 
 echo "sanitizers: building kvp_core, kvp_engine and _core with KVP_SANITIZE=ON ($cxx)"
