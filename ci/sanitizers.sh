@@ -86,8 +86,13 @@ llama_cpp_dir="$("$python" -c 'import llama_cpp, os; print(os.path.dirname(llama
 ln -s "$llama_cpp_dir" "$site/llama_cpp"
 libasan="$("$cxx" -print-file-name=libasan.so)"
 [ -f "$libasan" ] || { echo "sanitizers: $cxx has no libasan.so to preload" >&2; exit 1; }
+# libstdc++ too: ASan intercepts __cxa_throw and finds the real one when it starts, before the interpreter loads
+# any C++; without it the first C++ exception (llama.cpp refusing a state, an engine error) aborts in ASan's CHECK.
+libstdcxx="$("$cxx" -print-file-name=libstdc++.so.6)"
+[ -f "$libstdcxx" ] || { echo "sanitizers: $cxx has no libstdc++.so.6 to preload" >&2; exit 1; }
 # CPython itself leaks by design: leak checking stays with test_core and the fuzzer.
-PYTHONPATH="$site:$repo/tests" LD_PRELOAD="$libasan" ASAN_OPTIONS="${ASAN_OPTIONS:-}:detect_leaks=0" "$python" - <<'PY'
+PYTHONPATH="$site:$repo/tests" LD_PRELOAD="$libasan:$libstdcxx" ASAN_OPTIONS="${ASAN_OPTIONS:-}:detect_leaks=0" \
+  "$python" - <<'PY'
 import copy, os, tempfile
 import kvp_cpp
 from kvp_cpp import policy_file as pf
