@@ -179,8 +179,10 @@ Options parse_args(int argc, char** argv) {
     o.engine.n_threads = o.n_threads;
     if (!o.score_path.empty()) return o;
     if (o.model_path.empty()) throw UsageError("-m MODEL.gguf is required");
-    if (o.speed && !o.tasks_path.empty()) throw UsageError("--speed takes its tokens from --text or makes them; not --tasks");
-    if (!o.speed && o.tasks_path.empty() == o.text_path.empty()) throw UsageError("give exactly one of --tasks and --text");
+    if (o.speed && !o.tasks_path.empty())
+        throw UsageError("--speed takes its tokens from --text or makes them; not --tasks");
+    if (!o.speed && o.tasks_path.empty() == o.text_path.empty())
+        throw UsageError("give exactly one of --tasks and --text");
     if (o.policies.empty()) throw UsageError("--policies is empty");
     if (std::set<std::string>(o.policies.begin(), o.policies.end()).size() != o.policies.size())
         throw UsageError("--policies lists a policy twice");
@@ -318,8 +320,8 @@ int run_speed_benchmark(const Options& o) {
     std::vector<json> objects(rows.begin(), rows.end());
     write_csv_rows(csv_path, speed_csv_columns(), objects);
     print_speed_table(std::cout, rows);
-    std::fprintf(stderr, "[kvp-bench] %zu speed cases in %s; wrote %s, %s\n", rows.size(), format_duration(wall).c_str(),
-                 o.output_path.c_str(), csv_path.c_str());
+    std::fprintf(stderr, "[kvp-bench] %zu speed cases in %s; wrote %s, %s\n", rows.size(),
+                 format_duration(wall).c_str(), o.output_path.c_str(), csv_path.c_str());
     return 0;
 }
 

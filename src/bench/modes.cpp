@@ -18,12 +18,15 @@ namespace {
 int64_t context_tokens(const Model& model, const std::string& input, const json& question_field,
                        const std::vector<llama_token>& prompt) {
     const std::string question = question_field.get<std::string>();
-    if (question.empty() || question.size() >= input.size() || input.compare(input.size() - question.size(), question.size(), question) != 0)
+    const bool proper_end = !question.empty() && question.size() < input.size() &&
+                            input.compare(input.size() - question.size(), question.size(), question) == 0;
+    if (!proper_end)
         throw std::invalid_argument("'question' must be a non-empty proper end of 'input'");
     const std::vector<llama_token> context = model.tokenize(input.substr(0, input.size() - question.size()));
     const auto mismatch = std::mismatch(context.begin(), context.end(), prompt.begin(), prompt.end());
     const int64_t shared = int64_t(mismatch.first - context.begin());
-    if (shared < 1 || shared >= int64_t(prompt.size())) throw std::invalid_argument("the question splits no context off the prompt");
+    if (shared < 1 || shared >= int64_t(prompt.size()))
+        throw std::invalid_argument("the question splits no context off the prompt");
     return shared;
 }
 
@@ -56,7 +59,8 @@ std::vector<Sample> load_task_samples(const Model& model, const std::string& pat
             const std::string input = record.at("input").get<std::string>();
             s.prompt = model.tokenize(input + record.value("answer_prefix", std::string()));
             if (s.prompt.empty()) throw std::invalid_argument("empty prompt");
-            if (record.contains("question")) s.context_tokens = context_tokens(model, input, record.at("question"), s.prompt);
+            if (record.contains("question"))
+                s.context_tokens = context_tokens(model, input, record.at("question"), s.prompt);
             samples.push_back(std::move(s));
         } catch (const std::exception& e) {
             throw std::invalid_argument(path + ":" + std::to_string(line_number) + ": " + e.what());

@@ -144,7 +144,7 @@ std::vector<SpeedRow> run_speed(Model& model, const std::vector<PolicyFactory>& 
                     row.status = "skipped: the KV cache needs " + std::to_string(row.kv_bytes >> 20) +
                                  " MiB, more than half the physical memory";
                     rows.push_back(row);
-                    progress.done(row.policy + " @ " + std::to_string(context) + " (skipped)");
+                    progress.done(display_label(row.policy) + " @ " + std::to_string(context) + " (skipped)");
                     continue;
                 }
                 std::unique_ptr<Engine> engine = policy->is_full() ? nullptr : policy->make_engine(budget);
@@ -167,8 +167,8 @@ std::vector<SpeedRow> run_speed(Model& model, const std::vector<PolicyFactory>& 
                 }
                 row.rss_bytes = current_rss_bytes();
                 rows.push_back(row);
-                progress.done(row.policy + (budget == kUnbounded ? "" : "@" + std::to_string(budget)) + " @ " +
-                              std::to_string(context) + " tokens");
+                const std::string at = budget == kUnbounded ? "" : "@" + std::to_string(budget);
+                progress.done(display_label(row.policy) + at + " @ " + std::to_string(context) + " tokens");
             }
         }
         for (size_t i = first_of_context; i < rows.size(); ++i)

@@ -39,7 +39,7 @@ RecordKey key_of(const SweepConfig& config, const Sample& sample, const Job& job
 
 std::string job_name(const SweepConfig& config, const Sample& sample, const Job& job) {
     std::string name = sample.task;
-    name.append(" #").append(std::to_string(sample.index)).append(" ").append(job.policy->label());
+    name.append(" #").append(std::to_string(sample.index)).append(" ").append(display_label(job.policy->label()));
     if (job.budget != kUnbounded) name.append("@").append(std::to_string(job.budget));
     if (config.variants.size() > 1) name.append(job.excludes_question() ? " (q excl)" : " (q incl)");
     return name;
