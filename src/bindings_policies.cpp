@@ -100,7 +100,8 @@ Ranking rank_tokens(const std::string& name, const ModelIdentity& model, int lay
 
     // Protected tokens (as the evictor protects them) come first; then the higher score, the more recent token, the
     // lower head.
-    auto sortable = [](float score) { return std::isnan(score) ? -INFINITY : score; };  // a NaN would break the sort
+    // As in the evictor, a NaN or infinite score is the lowest (and a NaN would break the sort).
+    auto sortable = [](float score) { return std::isfinite(score) ? score : -INFINITY; };
     auto is_protected = [&](int64_t t) { return positions[t] < int64_t(n_sink) || t >= n - int64_t(n_recent); };
     auto before = [&](int64_t ha, int64_t a, int64_t hb, int64_t b) {
         const bool pa = is_protected(a), pb = is_protected(b);
@@ -173,7 +174,7 @@ void bind_policies(nb::module_& m) {
         "head_dim_k) of the last m of them. Returns scores (n_head_kv, n) as the policy writes them (higher = keep), "
         "ranking (n_head_kv, n): token indices per KV head from most to least valuable, and joint_ranking "
         "(n_head_kv * n, 2): (head, token) pairs over all heads. Protected tokens (position < n_sink, the last n_recent) "
-        "rank first; ties go to the more recent token, then to the lower head.");
+        "rank first, a NaN or infinite score last; ties go to the more recent token, then to the lower head.");
 }
 
 }  // namespace kvp

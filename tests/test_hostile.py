@@ -428,6 +428,23 @@ def test_non_finite_scores_are_the_lowest_keep_score(combine):
     assert _core.combined_keep_scores(mixed[[1, 7]], combine).tolist() == [-np.inf, -np.inf]
 
 
+def test_ranking_view_puts_non_finite_scores_last(tmp_path):
+    path = tmp_path / "overflowing.kvp.bin"
+    pf.write_policy(path, overflowing_policy())
+    rng = np.random.default_rng(0)
+    n, identity = 200, pf.smollm2_identity()
+    k = rng.standard_normal((n, identity["n_head_kv"], identity["head_dim_k"]), np.float32)
+    v = rng.standard_normal((n, identity["n_head_kv"], identity["head_dim_v"]), np.float32)
+    view = _core.policy_ranking(str(path), identity, 3, k, v, None, np.arange(n, dtype=np.int64), n_sink=0, n_recent=0)
+    for scores, ranking in zip(view["scores"], view["ranking"]):
+        finite = np.isfinite(scores[ranking])
+        assert 0 < finite.sum() < n
+        assert finite[: finite.sum()].all()  # every finite score ranks before every non-finite one
+        order = scores[ranking][: finite.sum()]
+        assert (np.diff(order) <= 0).all()
+        assert (np.diff(ranking[finite.sum() :]) < 0).all()  # the non-finite ones among themselves: newest first
+
+
 # --- a policy file that changes on disk -----------------------------------------------------------------------------
 
 
