@@ -1,5 +1,6 @@
 """The trainer (training/): trace reader, Plackett–Luce / reward math, RLOO and supervised runs, export, evaluation."""
 import itertools
+import json
 import math
 import os
 import sys
@@ -281,3 +282,24 @@ def test_resume_equals_an_uninterrupted_run(synthetic, tmp_path):
     assert (tmp_path / "split.kvp.bin").read_bytes() == (tmp_path / "full.kvp.bin").read_bytes()
     with pytest.raises(ValueError, match="another run"):
         run_training(synthetic[0], tmp_path / "split.kvp.bin", "--steps", "16", "--seed", "5", "--resume")
+
+
+def test_pipeline_runs_every_step_on_a_tiny_corpus_and_resumes(tmp_path):
+    """training.pipeline end to end on the default model: 5 prose documents of 256 tokens (the 5th held out)."""
+    from training import pipeline
+
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--ruler", "0", "--chats", "0", "--text", "5", "--length", "256", "--steps", "3",
+            "--hidden", "4", "-t", "2", "--install", str(tmp_path / "models" / "tiny.kvp.bin")]
+    assert pipeline.main(args) == 0
+    record = json.loads((out / "pipeline.json").read_text())
+    assert set(record["seconds"]) == {"traces", "train", "onnx"}
+    assert set(record["heldout_mean_cost"]["per_head"]) >= {"kvp", "streaming", "keydiff", "oracle"}
+    assert record["heldout_mean_cost"]["per_head"]["oracle"] == 1.0
+    installed = (tmp_path / "models" / "tiny.kvp.bin").read_bytes()
+    assert installed == (out / "policy.kvp.bin").read_bytes()
+    assert pipeline.same_policy(str(out / "policy.kvp.bin"), str(out / "policy.from_onnx.kvp.bin"))
+    trained = record["seconds"]["train"]
+    assert pipeline.main(args) == 0  # a rerun skips the finished steps
+    assert json.loads((out / "pipeline.json").read_text())["seconds"]["train"] == trained
+    assert (out / "policy.kvp.bin").read_bytes() == installed

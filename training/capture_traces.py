@@ -142,6 +142,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cuts", type=int, default=3, help="random cut points per sequence (plus the last one)")
     parser.add_argument("--q-slice", type=int, default=2, help="sequences that also keep their queries")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only-split", choices=("train", "heldout"), default=None,
+                        help="capture only the documents of one split (e.g. held-out traces at a longer --length, "
+                             "for length generalisation); the split is still every 5th document of each source")
     parser.add_argument("-t", "--threads", type=int, default=None)
     args = parser.parse_args(argv)
 
@@ -172,7 +175,8 @@ def main(argv=None) -> int:
         for kind, document, text in source:
             position = index_in_source.get(kind, 0)
             index_in_source[kind] = position + 1
-            if document in done:
+            split = "heldout" if position % 5 == 4 else "train"
+            if document in done or (args.only_split is not None and split != args.only_split):
                 continue
             tokens = capture.llm.tokenize(text.encode(), add_bos=True, special=True)[: args.length]
             if len(tokens) < args.n_future + 64:
@@ -203,7 +207,7 @@ def main(argv=None) -> int:
                     os.path.join(path, "q.f16"))
             manifest["sequences"].append({
                 "id": seq_id, "dir": folder, "source": kind, "document": document,
-                "split": "heldout" if position % 5 == 4 else "train", "n_tokens": n, "cuts": cuts, "has_q": has_q,
+                "split": split, "n_tokens": n, "cuts": cuts, "has_q": has_q,
             })
             manifest["model"]["n_head"] = int(out["Qcur"][0].shape[1])
             with open(manifest_path + ".tmp", "w") as f:

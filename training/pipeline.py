@@ -1,0 +1,137 @@
+"""The whole training pipeline in one command: traces, training, held-out evaluation, ONNX export and back.
+
+    python -m training.pipeline --out runs/smollm2                    # the shipped policy's recipe (about 25 min)
+    python -m training.pipeline --out runs/x -m other.gguf --objective rl --steps 1200
+
+Steps, each resumable (rerun the same command after an interruption; finished steps are skipped):
+
+1. ``training.capture_traces`` into ``OUT/traces`` (K/V of every layer and the importance targets);
+2. ``training.train`` into ``OUT/policy.kvp.bin``, evaluated on the held-out split (``OUT/heldout.json`` and
+   ``OUT/heldout.png``);
+3. ``training.export_onnx`` into ``OUT/policy.onnx``, then ``training.onnx_to_kvp`` back into
+   ``OUT/policy.from_onnx.kvp.bin``, which must decode to the same policy (same shapes, same weights).
+
+``OUT/pipeline.json`` records the arguments, each step's wall time and the held-out summary. ``--install PATH``
+copies the policy there at the end (for example ``models/smollm2-135m-instruct.kvp.bin``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+from kvp_cpp import policy_file as pf
+
+from . import capture_traces, export_onnx, onnx_to_kvp
+from . import train as train_step
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m training.pipeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="run folder")
+    parser.add_argument("-m", "--model", default=None, help="GGUF model (default: the embedded SmolLM2)")
+    data = parser.add_argument_group("traces (training.capture_traces)")
+    data.add_argument("--ruler", type=int, default=30)
+    data.add_argument("--chats", type=int, default=6)
+    data.add_argument("--text", type=int, default=8)
+    data.add_argument("--length", type=int, default=2048)
+    training = parser.add_argument_group("training (training.train)")
+    training.add_argument("--objective", choices=("rl", "supervised"), default="supervised")
+    training.add_argument("--hidden", default="32")
+    training.add_argument("--steps", type=int, default=400)
+    training.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-t", "--threads", type=int, default=None, help="llama.cpp threads while capturing")
+    parser.add_argument("--install", default=None, help="copy the trained policy here at the end")
+    return parser.parse_args(argv)
+
+
+def same_policy(path_a: str, path_b: str) -> bool:
+    """The same agents: identity, protected counts, and every stored array of every agent."""
+    a, b = pf.read_policy(path_a), pf.read_policy(path_b)
+
+    def shape(p: pf.PolicyData) -> tuple:
+        return p.identity(), p.n_sink, p.n_recent, list(p.hidden), p.activation, sorted(p.agents)
+
+    if shape(a) != shape(b):
+        return False
+    for key, agent in a.agents.items():
+        other = b.agents[key]
+        arrays = [agent.shift, agent.scale, *agent.weights, *agent.biases]
+        others = [other.shift, other.scale, *other.weights, *other.biases]
+        if len(arrays) != len(others) or not all(np.array_equal(x, y) for x, y in zip(arrays, others)):
+            return False
+    return True
+
+
+def run(args: argparse.Namespace) -> dict:
+    os.makedirs(args.out, exist_ok=True)
+    record_path = os.path.join(args.out, "pipeline.json")
+    record = {"arguments": vars(args), "seconds": {}}
+    if os.path.exists(record_path):
+        with open(record_path, encoding="utf-8") as f:
+            record["seconds"] = json.load(f).get("seconds", {})
+
+    def step(name: str, action) -> None:
+        start = time.time()
+        print(f"[pipeline] {name}", file=sys.stderr)
+        action()
+        record["seconds"][name] = record["seconds"].get(name, 0.0) + time.time() - start
+        with open(record_path, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+
+    traces = os.path.join(args.out, "traces")
+    policy = os.path.join(args.out, "policy.kvp.bin")
+    onnx_path = os.path.join(args.out, "policy.onnx")
+    back = os.path.join(args.out, "policy.from_onnx.kvp.bin")
+    capture_args = ["--out", traces, "--ruler", str(args.ruler), "--chats", str(args.chats), "--text", str(args.text),
+                    "--length", str(args.length), "--seed", str(args.seed)]
+    if args.model:
+        capture_args += ["-m", args.model]
+    if args.threads:
+        capture_args += ["-t", str(args.threads)]
+    step("traces", lambda: capture_traces.main(capture_args))  # resumes on its own
+    if not os.path.exists(policy):
+        step("train", lambda: train_step.main([
+            "--traces", traces, "--out", policy, "--objective", args.objective, "--hidden", args.hidden,
+            "--steps", str(args.steps), "--seed", str(args.seed), "--resume" if os.path.exists(policy + ".ckpt") else
+            "--quiet", "--eval-json", os.path.join(args.out, "heldout.json"),
+            "--eval-plot", os.path.join(args.out, "heldout.png")]))
+
+    def export_and_back() -> None:
+        for rc in (export_onnx.main([policy, "-o", onnx_path]), onnx_to_kvp.main([onnx_path, "-o", back])):
+            if rc != 0:
+                raise SystemExit(f"pipeline: the ONNX round trip failed (exit {rc})")
+        if not same_policy(policy, back):
+            raise SystemExit(f"pipeline: {back} does not hold the same policy as {policy}")
+
+    step("onnx", export_and_back)
+    heldout = os.path.join(args.out, "heldout.json")
+    if os.path.exists(heldout):
+        with open(heldout, encoding="utf-8") as f:
+            result = json.load(f)
+        record["heldout_mean_cost"] = {mode: {m: result[mode][m]["mean_over_budgets"] for m in result["methods"]}
+                                       for mode in ("per_head", "shared")}
+    if args.install:
+        os.makedirs(os.path.dirname(os.path.abspath(args.install)), exist_ok=True)
+        shutil.copyfile(policy, args.install)
+        record["installed"] = args.install
+    record["total_seconds"] = sum(record["seconds"].values())
+    with open(record_path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+    return record
+
+
+def main(argv=None) -> int:
+    record = run(parse_args(argv))
+    print(f"[pipeline] done in {record['total_seconds']:.0f} s: {json.dumps(record.get('heldout_mean_cost', {}))}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
