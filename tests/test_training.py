@@ -182,6 +182,16 @@ def test_baselines_only_evaluation_has_oracle_at_one(synthetic):
     assert np.array(result["per_head"]["random"]["cost"]).shape == (2, 2, len(ev.BUDGETS))
 
 
+def test_min_cut_keeps_only_the_longer_prefixes(synthetic):
+    traces = TraceSet(synthetic[0])
+    cuts = sorted(cut for _, cut in traces.prefixes("heldout"))
+    longer = ev.evaluate(traces, min_cut=cuts[-1])
+    assert longer["prefix_lengths"] == [cut for cut in cuts if cut >= cuts[-1]]
+    assert ev.evaluate(traces)["prefix_lengths"] == [cut for _, cut in traces.prefixes("heldout")]
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        ev.evaluate(traces, min_cut=cuts[-1] + 1)
+
+
 def test_ranking_view_baselines_score_as_the_runtime_policy(synthetic):
     """keydiff in the evaluation is the engine's policy: its scores are the cosine similarity to the mean unit key
     of the cached tokens, negated (docs/policies.md), recomputed here in float64."""

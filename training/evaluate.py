@@ -103,6 +103,7 @@ def evaluate(
     split: str = "heldout",
     layers: Optional[Sequence[int]] = None,
     max_prefixes: Optional[int] = None,
+    min_cut: int = 0,
     seed: int = 0,
 ) -> dict:
     """Normalised eviction costs of the policy (if given), the baselines and the oracle on one split."""
@@ -115,7 +116,7 @@ def evaluate(
     else:
         n_sink, n_recent = DEFAULT_SINK, DEFAULT_RECENT
         layers = list(range(traces.n_layer)) if layers is None else list(layers)
-    prefixes = [(i, cut) for i, cut in traces.prefixes(split) if cut > n_sink + n_recent]
+    prefixes = [(i, cut) for i, cut in traces.prefixes(split) if cut > n_sink + n_recent and cut >= min_cut]
     if max_prefixes is not None:
         prefixes = prefixes[:max_prefixes]
     if not prefixes or not layers:
@@ -149,6 +150,7 @@ def evaluate(
     result = {
         "split": split,
         "n_prefixes": len(prefixes),
+        "prefix_lengths": [cut for _, cut in prefixes],
         "n_sink": n_sink,
         "n_recent": n_recent,
         "budgets": list(BUDGETS),
@@ -238,13 +240,16 @@ def main(argv=None) -> int:
     parser.add_argument("--policy", help="kvp.bin policy to evaluate (omit for the baselines only)")
     parser.add_argument("--split", default="heldout", choices=("train", "heldout"))
     parser.add_argument("--max-prefixes", type=int, help="evaluate only the first N prefixes of the split")
+    parser.add_argument("--min-cut", type=int, default=0,
+                        help="only prefixes of at least this many tokens (length generalisation: longer than training)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random baseline")
     parser.add_argument("--json", help="write the full result here")
     parser.add_argument("--plot", help="write a PNG plot here")
     args = parser.parse_args(argv)
     traces = TraceSet(args.traces)
     policy = pf.read_policy(args.policy) if args.policy else None
-    result = evaluate(traces, policy, split=args.split, max_prefixes=args.max_prefixes, seed=args.seed)
+    result = evaluate(traces, policy, split=args.split, max_prefixes=args.max_prefixes, min_cut=args.min_cut,
+                      seed=args.seed)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
