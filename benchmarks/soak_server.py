@@ -7,9 +7,16 @@ streamed, and every tenth stream is abandoned after a few chunks (the client clo
 from what it received. After every turn it records the server's RSS (VmRSS of its process), the wall time of the turn,
 the cells in use and the conversation's logical length.
 
+A *control* conversation runs in the same rotation and starts afresh every --control-restart of its turns, so it
+stays short. Its turns, timed at the same moments as the long ones, give the time per turn that the machine allows
+right then: the ratio long / control is what the conversations' length costs, free of whatever else the machine
+runs (wall times alone drift with other load on a shared machine).
+
 Passes when the RSS after the warm-up grows less than --max-growth, the cells never exceed the budget, every turn
-continues its conversation (none is re-prefilled), and the time per turn at the end is within --max-slowdown of the
-time just after the warm-up (medians of --window turns). Writes a JSON report and a PNG of the curves.
+continues its conversation (none is re-prefilled), and the time per turn stays steady: the ratio long / control
+(medians over --window turns of each) grows by less than --max-slowdown from just after the warm-up to the end.
+The raw drift of the wall time per turn is reported too. Writes a JSON report and a PNG of the curves;
+``--from-json`` summarises and plots an earlier run's samples again.
 
     python benchmarks/soak_server.py [--minutes 20] [--budget 256] [--policy kvp] [--conversations 2]
                                      [--json benchmarks/results/soak_server.json] [--png benchmarks/results/soak_server.png]
@@ -60,19 +67,23 @@ def turn_once(client, messages: List[Dict[str, str]], args, mode: str, seed: int
 def run(args) -> Dict[str, Any]:
     from openai import OpenAI
 
-    server_args = ["--kv-policy", args.policy, "--kv-budget", str(args.budget), "--n_ctx", str(args.budget)]
+    server_args = ["--kv-policy", args.policy, "--kv-budget", str(args.budget), "--n_ctx", str(args.budget),
+                   "--kv-conversations", str(args.kv_conversations)]
     if args.model:
         server_args += ["--model", args.model]
     rng = random.Random(args.seed)
     samples: List[Dict[str, Any]] = []
     with ServerProcess(server_args + environment_threads(), log_path=args.log) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
-        histories: List[List[Dict[str, str]]] = [[] for _ in range(args.conversations)]
+        control = args.conversations  # the last in the rotation: restarted every --control-restart turns
+        histories: List[List[Dict[str, str]]] = [[] for _ in range(args.conversations + 1)]
         start = time.perf_counter()
         deadline = start + 60 * args.minutes
         turn = 0
         while time.perf_counter() < deadline:
-            c = turn % args.conversations
+            c = turn % (args.conversations + 1)
+            if c == control and len(histories[c]) >= 2 * args.control_restart:
+                histories[c] = []
             request = rng.choice(REQUESTS).format(rng.choice(TOPICS))
             histories[c].append({"role": "user", "content": request})
             mode = "plain" if turn % 3 else ("abandon" if turn % 30 == 0 else "stream")
@@ -88,7 +99,9 @@ def run(args) -> Dict[str, Any]:
                         break
                     time.sleep(0.05)
                 report = stats["last_turn"]
-            samples.append({"turn": turn, "conversation": c, "mode": mode, "seconds": seconds,
+            samples.append({"turn": turn, "conversation": c, "control": c == control,
+                            "control_turn": len(histories[c]) // 2 if c == control else None,
+                            "mode": mode, "seconds": seconds,
                             "elapsed": time.perf_counter() - start, "rss_bytes": server.rss_bytes(),
                             "cells_used": int(report.get("cells_used", -1)),
                             "logical_tokens": int(report.get("logical_tokens", -1)),
@@ -112,25 +125,38 @@ def summarise(args, samples: List[Dict[str, Any]], stats: Dict[str, Any]) -> Dic
     peak = max(s["rss_bytes"] for s in warm)
     growth = (peak - baseline) / baseline
     timed = [s for s in warm if s["mode"] != "abandon"]
-    early = statistics.median(s["seconds"] for s in timed[: args.window])
-    late = statistics.median(s["seconds"] for s in timed[-args.window :])
+    long_turns = [s for s in timed if not s["control"]]
+    control_turns = [s for s in timed if s["control"] and s["control_turn"] > 2]  # past its new prompt
+    early = statistics.median(s["seconds"] for s in long_turns[: args.window])
+    late = statistics.median(s["seconds"] for s in long_turns[-args.window :])
     slowdown = late / early - 1
+    control_early = statistics.median(s["seconds"] for s in control_turns[: args.window])
+    control_late = statistics.median(s["seconds"] for s in control_turns[-args.window :])
+    length_cost_early, length_cost_late = early / control_early, late / control_late
     max_cells = max(s["cells_used"] for s in samples)
-    continued = [s for s in samples[args.conversations :] if s["mode"] != "abandon"]
+    continued = [s for s in samples[args.conversations + 1 :] if s["mode"] != "abandon"
+                 and not (s["control"] and s["control_turn"] == 1)]  # fmt: skip
     all_continued = all(s["match"] in ("continued", "forked") for s in continued)
-    passed = growth < args.max_growth and max_cells <= args.budget and all_continued and slowdown < args.max_slowdown
+    length_cost_growth = length_cost_late / length_cost_early - 1
+    passed = (growth < args.max_growth and max_cells <= args.budget and all_continued
+              and length_cost_growth < args.max_slowdown)  # fmt: skip
     return {
         "config": {"minutes": args.minutes, "budget": args.budget, "policy": args.policy,
                    "conversations": args.conversations, "reply_tokens": args.reply_tokens,
                    "temperature": args.temperature, "seed": args.seed, "warmup_minutes": args.warmup_minutes,
                    "window": args.window, "max_growth": args.max_growth, "max_slowdown": args.max_slowdown,
+                   "control_restart": args.control_restart, "kv_conversations": args.kv_conversations,
                    "model": os.path.basename(args.model) if args.model else "SmolLM2-135M-Instruct (default)",
                    "machine": f"{platform.machine()}, {os.cpu_count()} cpus", "command": " ".join(sys.argv)},
         "summary": {"turns": len(samples), "seconds": samples[-1]["elapsed"],
                     "logical_tokens": [max(s["logical_tokens"] for s in samples if s["conversation"] == c)
                                        for c in range(args.conversations)],
+                    "control_logical_tokens_max": max(s["logical_tokens"] for s in samples if s["control"]),
                     "rss_at_warmup_bytes": baseline, "rss_peak_after_warmup_bytes": peak, "rss_growth": growth,
                     "turn_seconds_after_warmup": early, "turn_seconds_at_end": late, "slowdown": slowdown,
+                    "control_turn_seconds_after_warmup": control_early, "control_turn_seconds_at_end": control_late,
+                    "length_cost_after_warmup": length_cost_early, "length_cost_at_end": length_cost_late,
+                    "length_cost_growth": length_cost_growth,
                     "max_cells_used": max_cells, "all_turns_continued": all_continued,
                     "store": stats["conversations"], "kv": stats["kv"], "passed": passed},
         "samples": samples,
@@ -152,19 +178,24 @@ def plot(report: Dict[str, Any], path: str) -> None:
     rss_axis.set_ylabel("RSS (MiB)")
     rss_axis.legend(loc="lower right")
     for mode, colour in (("plain", "tab:blue"), ("stream", "tab:green"), ("abandon", "tab:red")):
-        chosen = [s for s in samples if s["mode"] == mode]
+        chosen = [s for s in samples if s["mode"] == mode and not s["control"]]
         time_axis.scatter([s["elapsed"] / 60 for s in chosen], [s["seconds"] for s in chosen], s=3, color=colour,
                           label={"plain": "turn", "stream": "streamed turn", "abandon": "abandoned stream"}[mode])
+    chosen = [s for s in samples if s["control"] and s["mode"] != "abandon" and s["control_turn"] > 2]
+    time_axis.scatter([s["elapsed"] / 60 for s in chosen], [s["seconds"] for s in chosen], s=3, color="black",
+                      marker="x", label="control (short) conversation")
     time_axis.set_ylabel("seconds per turn")
     time_axis.set_ylim(bottom=0)
     time_axis.legend(loc="upper left", markerscale=3)
-    cells_axis.plot(minutes, [s["cells_used"] for s in samples], linewidth=0.8, label="cells in use")
+    longs = [s for s in samples if not s["control"]]
+    cells_axis.plot([s["elapsed"] / 60 for s in longs], [s["cells_used"] for s in longs], linewidth=0.8,
+                    label="cells in use")
     cells_axis.axhline(config["budget"], color="red", linestyle=":", label=f"budget {config['budget']}")
     cells_axis.set_ylim(0, config["budget"] * 1.15)
     cells_axis.set_ylabel("KV cells")
     logical_axis = cells_axis.twinx()
-    logical_axis.plot(minutes, [s["logical_tokens"] for s in samples], color="grey", linewidth=0.8,
-                      label="conversation length (tokens)")
+    logical_axis.plot([s["elapsed"] / 60 for s in longs], [s["logical_tokens"] for s in longs], color="grey",
+                      linewidth=0.8, label="conversation length (tokens)")
     logical_axis.set_ylabel("logical tokens")
     cells_axis.legend(loc="lower right")
     logical_axis.legend(loc="upper left")
@@ -173,7 +204,8 @@ def plot(report: Dict[str, Any], path: str) -> None:
         axis.axvline(config["warmup_minutes"], color="grey", linestyle="--", linewidth=0.8)
     verdict = "PASS" if summary["passed"] else "FAIL"
     fig.suptitle(f"chat server soak, {config['policy']} policy, budget {config['budget']}, {summary['turns']} turns: "
-                 f"RSS {100 * summary['rss_growth']:+.1f}%, turn time {100 * summary['slowdown']:+.0f}% - {verdict}",
+                 f"RSS {100 * summary['rss_growth']:+.1f}%, turn time / control x{summary['length_cost_after_warmup']:.2f}"
+                 f" -> x{summary['length_cost_at_end']:.2f} (raw drift {100 * summary['slowdown']:+.0f}%) - {verdict}",
                  fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -185,7 +217,9 @@ def verdict(report: Dict[str, Any]) -> str:
             f"RSS {s['rss_at_warmup_bytes'] / 2**20:.1f} MiB after warm-up, peak "
             f"{s['rss_peak_after_warmup_bytes'] / 2**20:.1f} MiB ({100 * s['rss_growth']:+.2f}%); turn "
             f"{s['turn_seconds_after_warmup']:.2f} s after warm-up, {s['turn_seconds_at_end']:.2f} s at the end "
-            f"({100 * s['slowdown']:+.0f}%); max cells {s['max_cells_used']} of {budget}; all turns continued: "
+            f"({100 * s['slowdown']:+.0f}%); against the short control conversation x{s['length_cost_after_warmup']:.2f} "
+            f"after warm-up, x{s['length_cost_at_end']:.2f} at the end ({100 * s['length_cost_growth']:+.0f}%); max cells {s['max_cells_used']} of {budget}; "
+            f"all turns continued: "
             f"{s['all_turns_continued']}: {'PASS' if s['passed'] else 'FAIL'}")
 
 
@@ -204,12 +238,31 @@ def main() -> None:
     parser.add_argument("--warmup-minutes", type=float, default=2.0)
     parser.add_argument("--window", type=int, default=30, help="turns in the early and late timing medians")
     parser.add_argument("--max-growth", type=float, default=0.05, help="allowed RSS growth after the warm-up")
-    parser.add_argument("--max-slowdown", type=float, default=0.5, help="allowed growth of the time per turn")
+    parser.add_argument("--max-slowdown", type=float, default=0.5,
+                        help="allowed growth of the ratio of a long conversation's time per turn to the control's")
+    parser.add_argument("--kv-conversations", type=int, default=4,
+                        help="the server's kv_conversations: saved states kept (each restart of the control "
+                             "conversation leaves one behind until the least recently used are dropped)")
+    parser.add_argument("--control-restart", type=int, default=20,
+                        help="the control conversation starts afresh after this many of its turns")
     parser.add_argument("--print-every", type=int, default=20)
     parser.add_argument("--log", default=None, help="server log file")
+    parser.add_argument("--from-json", default=None,
+                        help="summarise an earlier run's JSON report again (its samples and config) instead of running")
     args = parser.parse_args()
 
-    report = run(args)
+    if args.from_json:
+        with open(args.from_json) as f:
+            earlier = json.load(f)
+        for name, value in earlier["config"].items():
+            if name not in ("command", "machine", "model"):
+                setattr(args, name, value)
+        summary = earlier["summary"]
+        report = summarise(args, earlier["samples"], {"conversations": summary["store"], "kv": summary["kv"]})
+        report["config"].update(command=earlier["config"]["command"], machine=earlier["config"]["machine"],
+                                model=earlier["config"]["model"])  # fmt: skip
+    else:
+        report = run(args)
     with open(args.json, "w") as out:
         json.dump(report, out, indent=1)
     plot(report, args.png)

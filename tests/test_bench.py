@@ -286,6 +286,37 @@ def test_bounded_protocol_prefills_per_budget_under_the_budget(tmp_path, model_p
     assert 0 < record["llama_cells"] <= record["cells_max"] <= budget
 
 
+def test_perplexity_windows_stay_inside_each_jsonl_document(tmp_path, model_path):
+    """A .jsonl text file holds documents (chats): each is cut into its own windows, and a window scores exactly
+    what the same document alone in a .txt file scores."""
+    from kvp_cpp.ruler import sources
+
+    words = sources.essay_words()
+    first, second, short = " ".join(words[:300]), " ".join(words[1000:1300]), " ".join(words[2000:2010])
+    docs = tmp_path / "chats.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in (first, short, second)), encoding="utf-8")
+    common = ("--ctx", "96", "--cont", "16", "--policies", "full", "--budgets", "64")
+    run_bench("-m", model_path, "--text", str(docs), *common, "-o", str(tmp_path / "docs.json"))
+    with open(tmp_path / "docs.json", encoding="utf-8") as f:
+        windows = [r for r in json.load(f)["results"]]
+    logged = sorted(read_log(tmp_path / "docs.json"), key=lambda r: r["index"])
+    alone = []
+    for name, text in (("first", first), ("second", second)):
+        path = tmp_path / f"{name}.txt"
+        path.write_text(text, encoding="utf-8")
+        run_bench("-m", model_path, "--text", str(path), *common, "-o", str(tmp_path / f"{name}.json"))
+        alone += sorted(read_log(tmp_path / f"{name}.json"), key=lambda r: r["index"])
+    assert {r["task"] for r in windows} == {"ppl:chats"}
+    assert len(logged) == len(alone) >= 2  # the 10-word document has no window
+    for in_file, by_itself in zip(logged, alone):
+        assert in_file["score"] == pytest.approx(by_itself["score"], abs=1e-5)
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": 1}\n', encoding="utf-8")
+    bad = subprocess.run([bench.binary_path(), "-m", model_path, "--text", str(tmp_path / "bad.jsonl"), *common,
+                          "-o", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "line 2" in bad.stderr and '"text"' in bad.stderr
+
+
 def test_perplexity_of_a_continuation_after_one_shared_prefill(tmp_path, model_path):
     from kvp_cpp.ruler import sources
 

@@ -37,6 +37,7 @@ modes
   --tasks FILE.jsonl        task accuracy on RULER samples (python -m kvp_cpp.ruler): greedy generation after the
                             answer prefix, scored with the sample's metric (string_match_all / string_match_part)
   --text FILE.txt           perplexity: windows of --ctx context tokens, then the mean NLL of --cont tokens
+                            (FILE.jsonl: documents {"text": ...}, one per line, each cut into its own windows)
   --ctx N, --cont M         perplexity window (default 1024, 128)
   --score-predictions FILE  score JSONL lines {"prediction", "outputs", "metric"} with the RULER metrics and exit
   --speed                   time and memory: prefill and decode throughput of each policy and budget (bounded

@@ -94,26 +94,48 @@ std::vector<Sample> load_text_samples(const Model& model, const std::string& pat
     if (ctx_tokens < 2 || cont_tokens < 1) throw std::invalid_argument("--ctx must be >= 2 and --cont >= 1");
     std::ifstream in(path, std::ios::binary);
     if (!in) throw std::invalid_argument("cannot read the text file " + path);
-    std::stringstream text;
-    text << in.rdbuf();
-    const std::vector<llama_token> tokens = model.tokenize(text.str());
+    // A .jsonl file holds documents ({"text": ...} per line), each cut into its own windows, so that no window
+    // spans two documents (chats, say); any other file is one document.
+    std::vector<std::string> documents;
+    const bool jsonl = std::filesystem::path(path).extension() == ".jsonl";
+    if (jsonl) {
+        std::string line;
+        for (int64_t number = 1; std::getline(in, line); ++number) {
+            if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+            const json document = json::parse(line, nullptr, false);
+            if (document.is_discarded() || !document.is_object() || !document.contains("text") ||
+                !document["text"].is_string())
+                throw std::invalid_argument(path + " line " + std::to_string(number) +
+                                            ": expected a JSON object with a string \"text\"");
+            documents.push_back(document["text"].get<std::string>());
+        }
+    } else {
+        std::stringstream text;
+        text << in.rdbuf();
+        documents.push_back(text.str());
+    }
     const size_t window = size_t(ctx_tokens + cont_tokens);
-    if (tokens.size() < window)
-        throw std::invalid_argument(path + " has " + std::to_string(tokens.size()) + " tokens, fewer than --ctx + --cont = " +
-                                    std::to_string(window));
     std::vector<Sample> samples;
     const std::string task = "ppl:" + std::filesystem::path(path).stem().string();
-    for (size_t start = 0; start + window <= tokens.size(); start += window) {
-        if (max_windows > 0 && int64_t(samples.size()) >= max_windows) break;
-        Sample s;
-        s.task = task;
-        s.length = ctx_tokens;
-        s.index = int64_t(samples.size());
-        s.metric = "mean_nll";
-        s.prompt.assign(tokens.begin() + start, tokens.begin() + start + ctx_tokens);
-        s.continuation.assign(tokens.begin() + start + ctx_tokens, tokens.begin() + start + window);
-        samples.push_back(std::move(s));
+    size_t longest = 0;
+    for (const std::string& document : documents) {
+        const std::vector<llama_token> tokens = model.tokenize(document);
+        longest = std::max(longest, tokens.size());
+        for (size_t start = 0; start + window <= tokens.size(); start += window) {
+            if (max_windows > 0 && int64_t(samples.size()) >= max_windows) return samples;
+            Sample s;
+            s.task = task;
+            s.length = ctx_tokens;
+            s.index = int64_t(samples.size());
+            s.metric = "mean_nll";
+            s.prompt.assign(tokens.begin() + start, tokens.begin() + start + ctx_tokens);
+            s.continuation.assign(tokens.begin() + start + ctx_tokens, tokens.begin() + start + window);
+            samples.push_back(std::move(s));
+        }
     }
+    if (samples.empty())
+        throw std::invalid_argument(path + (jsonl ? "'s longest document has " : " has ") + std::to_string(longest) +
+                                    " tokens, fewer than --ctx + --cont = " + std::to_string(window));
     return samples;
 }
 

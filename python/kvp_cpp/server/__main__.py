@@ -8,6 +8,8 @@ llama-cpp-python.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
 import sys
@@ -18,6 +20,8 @@ from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
 
 from .app import create_app
 from .settings import KvpConfigFileSettings, KvpModelSettings, KvpServerSettings, KvpSettings
+
+_M_MMAP_THRESHOLD = -3  # malloc.h
 
 
 def underscored(argv: List[str]) -> List[str]:
@@ -46,6 +50,14 @@ def read_config_file(path: str) -> Tuple[KvpServerSettings, List[KvpModelSetting
     return server, config.models
 
 
+def fix_mmap_threshold() -> None:
+    """Serves large allocations (saved conversation states, megabytes each, made and freed on every switch) with
+    mmap. glibc raises its mmap threshold to the size of each large block freed, after which such blocks come from
+    the heap, fragment it and keep the server's RSS growing; setting the threshold explicitly turns that off."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 256 * 1024)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m kvp_cpp.server",
@@ -64,6 +76,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     except Exception as error:
         print(error, file=sys.stderr)
         sys.exit(2)
+    fix_mmap_threshold()
     app = create_app(server_settings=server_settings, model_settings=model_settings)
     uvicorn.run(app, host=server_settings.host, port=server_settings.port, ssl_keyfile=server_settings.ssl_keyfile,
                 ssl_certfile=server_settings.ssl_certfile)

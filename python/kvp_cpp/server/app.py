@@ -15,8 +15,9 @@ types, authentication, request-resource preparation and middleware. Its dependen
   ``kv_stats`` object. ``GET /kv/stats`` reports the cache, the conversation store and the latest turn;
   ``GET /kv/cache`` lists the live conversation's cached tokens.
 
-Every 30 seconds, after a response, the model's thread collects reference cycles and returns freed heap to the
-system, so that memory stays flat between Python's rare full collections.
+Every 5 seconds, after a response, the model's thread collects reference cycles and returns freed heap to the
+system, so that memory stays flat between Python's rare full collections (each request's objects survive the
+young-generation collections made while it runs, and the ones in cycles then wait for a full collection).
 
 The embeddings route is left out: a policy-driven model generates and does not embed.
 """
@@ -58,7 +59,7 @@ _REPLACED_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/engines/copil
                    "/v1/embeddings"}  # fmt: skip
 _TOO_LONG = re.compile(r"Requested tokens \((\d+)\) exceed")
 _CLIENT_ERRORS = (ValueError, TemplateError)  # raised by llama-cpp-python for requests it cannot serve
-TIDY_SECONDS = 30.0
+TIDY_SECONDS = 5.0
 
 
 class ModelWorker:
@@ -99,12 +100,16 @@ class ServerState:
         self.lock = anyio.Lock()
         self.waiting = 0  # requests waiting for the lock (interrupt_requests)
         self.tidied = time.monotonic()
+        self.tidies = 0
+        self.tidy_seconds = 0.0
 
     async def tidy(self) -> None:
         """tidy_memory() on the model's thread once every TIDY_SECONDS, after a response has gone out."""
         if time.monotonic() - self.tidied >= TIDY_SECONDS:
             self.tidied = time.monotonic()
             await self.worker.run(tidy_memory)
+            self.tidies += 1
+            self.tidy_seconds += time.monotonic() - self.tidied
 
     @contextlib.asynccontextmanager
     async def hold(self):
@@ -207,7 +212,9 @@ async def create_completion(request: Request, body: CreateCompletionRequest = Bo
 @router.get("/kv/stats", summary="KV cache and conversation store", dependencies=_authenticated, tags=["kvp"])
 async def kv_stats(request: Request) -> Dict[str, Any]:
     state = _state(request)
-    return await state.worker.run(state.proxy.llama.server_stats)
+    stats = await state.worker.run(state.proxy.llama.server_stats)
+    stats["memory_tidy"] = {"runs": state.tidies, "seconds": state.tidy_seconds, "every_seconds": TIDY_SECONDS}
+    return stats
 
 
 @router.get("/kv/cache", summary="The live conversation's cached tokens", dependencies=_authenticated, tags=["kvp"])

@@ -415,7 +415,7 @@ class ConversationLlama(Llama):
         size = llama_cpp.llama_state_seq_get_size(ctx, 0)
         buffer = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, 0)
-        return bytes(buffer[:written])
+        return ctypes.string_at(buffer, written)  # slicing a c_uint8 array would build a list of ints
 
     def _cut_back(self, n: int) -> None:
         """Forgets the logical tokens from ``n`` on, keeping the cache's policy-chosen subset of the ones before.
