@@ -19,6 +19,7 @@ import os
 import random
 import sys
 import time
+from typing import Tuple
 
 OPENERS = [
     "I am restoring an old wooden sailboat. Where should I begin?",
@@ -62,28 +63,32 @@ FOLLOW_UPS = [
 ]
 
 
-def render(llm, messages) -> str:
+def chat_renderer(llm):
+    """The model's chat template as llama-cpp-python renders it (messages -> prompt text)."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     formatter = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"],
                                     eos_token=llm.detokenize([llm.token_eos()], special=True).decode(),
                                     bos_token=llm.detokenize([llm.token_bos()], special=True).decode())  # fmt: skip
-    return formatter(messages=messages).prompt
+    return lambda messages: formatter(messages=messages).prompt
 
 
-def make_chat(llm, index: int, seed: int, min_tokens: int, reply_tokens: int, max_turns: int) -> str:
+def make_chat(llm, render, index: int, seed: int, min_tokens: int, reply_tokens: int, max_turns: int
+              ) -> Tuple[str, int]:  # fmt: skip
+    """The chat's rendered text and its token count."""
     rng = random.Random(seed * 1000 + index)
     messages = [{"role": "user", "content": OPENERS[index % len(OPENERS)]}]
-    text = ""
+    text, n_tokens = "", 0
     for turn in range(max_turns):
         reply = llm.create_chat_completion(messages, max_tokens=reply_tokens, temperature=0.7,
                                            seed=seed * 1000 + 100 * index + turn)  # fmt: skip
         messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
-        text = render(llm, messages)
-        if len(llm.tokenize(text.encode(), add_bos=False, special=True)) >= min_tokens:
+        text = render(messages)
+        n_tokens = len(llm.tokenize(text.encode(), add_bos=False, special=True))
+        if n_tokens >= min_tokens:
             break
         messages.append({"role": "user", "content": rng.choice(FOLLOW_UPS)})
-    return text
+    return text, n_tokens
 
 
 def main(argv=None) -> int:
@@ -110,16 +115,16 @@ def main(argv=None) -> int:
             done = {json.loads(line)["id"] for line in f if line.strip()}
     llm = llama_cpp.Llama(args.model or default_model_path(), n_ctx=args.min_tokens + 2 * args.reply_tokens + 256,
                           n_threads=args.threads, verbose=False)  # fmt: skip
+    render = chat_renderer(llm)
     start = time.time()
     with open(args.output, "a", encoding="utf-8") as out:
         for index in range(args.chats):
             chat_id = f"heldout-chat/{index}"
             if chat_id in done:
                 continue
-            text = make_chat(llm, index, args.seed, args.min_tokens, args.reply_tokens, args.max_turns)
+            text, n = make_chat(llm, render, index, args.seed, args.min_tokens, args.reply_tokens, args.max_turns)
             out.write(json.dumps({"id": chat_id, "text": text}) + "\n")
             out.flush()
-            n = len(llm.tokenize(text.encode(), add_bos=False, special=True))
             print(f"[heldout_chats] {index + 1}/{args.chats}: {n} tokens, {time.time() - start:.0f} s elapsed",
                   file=sys.stderr, flush=True)  # fmt: skip
     return 0
