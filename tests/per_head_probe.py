@@ -144,13 +144,16 @@ def check_rows_follow_positions(llm, before, n_cells):
 
 
 def scenario_greedy(args):
-    llm = make_llama(n_ctx=args.get("n_ctx", 512), flash_attn=args["flash_attn"])
-    toks = tokens_of(llm, PROMPT * args.get("repeat", 1))
-    enable_at = args.get("enable_at")
-    out, digest = greedy(llm, toks, args["n_new"], chunk=args.get("chunk"), enable_at=enable_at)
-    return {"tokens": out, "logits_sha256": digest, "n_prompt": len(toks),
-            "patched": _llama_lib.loaded_library_is_patched(),
-            "per_head_enabled": per_head.enabled(llm) if _llama_lib.loaded_library_is_patched() else False,
+    """Greedy decoding for each entry of args["enable_at"] (null: per-head mode never enabled)."""
+    results = []
+    for enable_at in args.get("enable_at", [None]):
+        llm = make_llama(n_ctx=args.get("n_ctx", 512), flash_attn=args["flash_attn"])
+        toks = tokens_of(llm, PROMPT * args.get("repeat", 1))
+        out, digest = greedy(llm, toks, args["n_new"], chunk=args.get("chunk"), enable_at=enable_at)
+        results.append({"enable_at": enable_at, "tokens": out, "logits_sha256": digest, "n_prompt": len(toks),
+                        "per_head_enabled": per_head.enabled(llm) if _llama_lib.loaded_library_is_patched() else False})
+        llm.close()
+    return {"runs": results, "patched": _llama_lib.loaded_library_is_patched(),
             "lib": str(llama_cpp.llama_cpp._base_path)}
 
 
@@ -211,7 +214,7 @@ def scenario_budget(args):
                 for h in range(H):
                     held = hp[l, h][(hp[l, h] >= 0) & (hp[l, h] < n_past - recent)]
                     drop[l, h] = rng.choice(held, size=need, replace=False)
-            before = snapshot(llm, n_cells) if steps % 4 == 0 else None
+            before = snapshot(llm, n_cells) if evictions % 8 == 0 else None
             per_head.evict(llm, drop)
             evictions += 1
             if before is not None:
@@ -232,6 +235,83 @@ def scenario_budget(args):
             "row_checks": row_checks, "final_counts": per_head.cell_counts(llm).tolist(),
             "shared_cells": int(len(shared_pos)), "shared_pos_max": int(shared_pos.max()),
             "finite": bool(np.isfinite(logits).all())}
+
+
+class GgmlTensor(ctypes.Structure):
+    """The head of ggml.h's struct ggml_tensor (this llama.cpp: GGML_MAX_SRC 10, GGML_MAX_NAME 64)."""
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64)]
+
+
+def capture_attention_output(llm, layer=0):
+    """Re-creates llm's context with an eval callback that records the attention output of one layer
+    (``kqv_out-<layer>``, F32 [n_embd, n_tokens] on the CPU) at each decode; returns the list it appends to."""
+    from kvp_cpp.llama import recreate_context
+
+    target, seen = f"kqv_out-{layer}".encode(), []
+
+    @llama_cpp.ggml_backend_sched_eval_callback
+    def callback(tensor, ask, user_data):
+        t = ctypes.cast(tensor, ctypes.POINTER(GgmlTensor)).contents
+        if ask:
+            return t.name == target
+        if t.name == target:
+            n = t.ne[0] * t.ne[1]
+            seen.append(np.ctypeslib.as_array(ctypes.cast(t.data, ctypes.POINTER(ctypes.c_float)), shape=(n,)).copy())
+        return True
+
+    llm._kvp_probe_callback = callback  # outlives the context
+    recreate_context(llm, callback_address=ctypes.cast(callback, ctypes.c_void_p).value)
+    return seen
+
+
+def scenario_order(args):
+    """The same per-head token sets reached in two ways, A then B or A+B at once, leave the rows in different
+    cells. Layer 0's attention output (its input is the token embedding, the same in every run) must then agree
+    up to the order in which attention visits the cells; a run without eviction is the control. Later layers are
+    not compared: there a rounding difference is amplified by the 8-bit quantisation of activations."""
+    n_ctx, n_new = 512, 16
+    rng = np.random.default_rng(args.get("seed", 3))
+    runs = {}
+    for how in ("none", "a_then_b", "at_once"):
+        llm = make_llama(n_ctx=n_ctx, flash_attn=args["flash_attn"])
+        seen = capture_attention_output(llm, layer=0)
+        per_head.enable(llm)
+        toks = tokens_of(llm, PROMPT * 4)[:200]
+        n = len(toks)
+        L, H = per_head.n_layer(llm), per_head.n_head_kv(llm)
+        if how == "none":
+            middle = np.arange(4, n - 16, dtype=np.int32)
+            drops = np.stack([np.stack([rng.permutation(middle)[:80] for _ in range(H)]) for _ in range(L)])
+            forced = [int(t) for t in rng.integers(100, llm.n_vocab() - 100, size=n_new)]
+        decode(llm, toks, 0)
+        if how == "a_then_b":
+            per_head.evict(llm, drops[:, :, :40])
+            per_head.evict(llm, drops[:, :, 40:])
+        elif how == "at_once":
+            per_head.evict(llm, drops)
+        hp = per_head.positions(llm, n_ctx)
+        del seen[:]
+        argmaxes = []
+        for i in range(n_new):
+            argmaxes.append(int(np.argmax(decode(llm, [forced[i]], n + i))))
+        runs[how] = {"hp": hp, "attn0": np.stack(seen), "argmax": argmaxes}
+        llm.close()
+    a, b, none = runs["a_then_b"], runs["at_once"], runs["none"]
+    L, H = a["hp"].shape[:2]
+    sets = lambda hp, l, h: sorted(hp[l, h][hp[l, h] >= 0].tolist())
+    same_sets = all(sets(a["hp"], l, h) == sets(b["hp"], l, h) for l in range(L) for h in range(H))
+    expected = all(set(sets(a["hp"], l, h)) == set(range(len(toks))) - set(drops[l, h].tolist())
+                   for l in range(L) for h in range(H))
+    moved_heads = int(sum(not np.array_equal(a["hp"][l, h], b["hp"][l, h]) for l in range(L) for h in range(H)))
+    scale = float(np.max(np.abs(a["attn0"])))
+    return {"same_sets": same_sets, "expected_sets": expected, "heads_laid_out_differently": moved_heads,
+            "n_captured": int(a["attn0"].shape[0]),
+            "argmax_same": a["argmax"] == b["argmax"],
+            "rel_diff": float(np.max(np.abs(a["attn0"] - b["attn0"]))) / scale,
+            "control_rel_diff": float(np.max(np.abs(a["attn0"] - none["attn0"]))) / scale}
 
 
 def scenario_seq_rm(args):
@@ -294,7 +374,8 @@ def scenario_kv_bytes(args):
         per_head.enable(llm)
     toks = tokens_of(llm, PROMPT)
     decode(llm, toks, 0)
-    llama_cpp.llama_log_set(None, None)
+    from llama_cpp import _logger
+    llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))  # llama-cpp-python's own again
     return {"lines": lines, "n_cells": int(llama_cpp.llama_n_ctx(llm._ctx.ctx)),
             "enabled": per_head.enabled(llm) if _llama_lib.loaded_library_is_patched() else False}
 
