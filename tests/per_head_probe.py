@@ -380,10 +380,32 @@ def scenario_kv_bytes(args):
             "enabled": per_head.enabled(llm) if _llama_lib.loaded_library_is_patched() else False}
 
 
+def scenario_engine(args):
+    """kvp-cpp's own shared-cell engine (a scoring policy, a prompt 4x the budget): its output and counters."""
+    llm = kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=256, kv_policy=args["policy"], flash_attn=True,
+                        seed=0, verbose=False, n_threads=2)
+    out = llm.create_completion(PROMPT * 16, max_tokens=16, temperature=0.0)
+    stats = llm.kv_stats()
+    return {"text": out["choices"][0]["text"], "tokens_evicted": stats["tokens_evicted"],
+            "cells_used": stats["cells_used"], "patched": _llama_lib.loaded_library_is_patched()}
+
+
+def loaded_libraries():
+    """The libllama/libggml files mapped into this process (/proc/self/maps), resolved."""
+    import os
+    found = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split()
+            if len(parts) >= 6 and parts[-1].rsplit("/", 1)[-1].startswith(("libllama", "libggml")):
+                found.add(os.path.realpath(parts[-1]))
+    return sorted(found)
+
+
 def scenario_loader(args):
     import os
     result = {"patched": _llama_lib.loaded_library_is_patched(), "lib": str(llama_cpp.llama_cpp._base_path),
-              "env": os.environ.get("LLAMA_CPP_LIB_PATH")}
+              "env": os.environ.get("LLAMA_CPP_LIB_PATH"), "mapped": loaded_libraries()}
     try:
         _llama_lib.require_per_head()
         result["require"] = None

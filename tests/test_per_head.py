@@ -125,6 +125,16 @@ def test_seq_rm_and_refused_evictions():
     assert {c for row in r["counts_after_clear"] for c in row} == {0}
 
 
+def test_shared_engine_unchanged_on_the_patched_library():
+    """kvp-cpp's shared-cell engine (keydiff, prompt ~4x a 256-cell budget) gives the same text and counters on
+    the patched library as on the stock one."""
+    stock = run_probe("engine", {"policy": "keydiff"}, patched=False)
+    patched = run_probe("engine", {"policy": "keydiff"}, patched=True)
+    assert patched["patched"] and not stock["patched"]
+    assert stock["tokens_evicted"] > 500
+    assert patched == dict(stock, patched=True)
+
+
 def test_unsupported_context_is_refused():
     r = run_probe("refused", patched=True)
     assert r["error"] and "cannot hold per-head state" in r["error"]
@@ -144,6 +154,11 @@ def test_loader_selects_and_explains():
     patched = run_probe("loader", patched=True)
     assert patched["patched"] and patched["require"] is None
     assert patched["env"] == str(_llama_lib.lib_dir())
+    # one copy of each library, all from the patched build (kvp-cpp's extension binds to them by SONAME)
+    names = [os.path.basename(p).split(".so")[0] for p in patched["mapped"]]
+    assert {"libllama", "libggml", "libggml-base", "libggml-cpu"} <= set(names)
+    assert len(names) == len(set(names)), patched["mapped"]
+    assert {os.path.dirname(p) for p in patched["mapped"]} == {os.path.realpath(_llama_lib.lib_dir())}
     stock = run_probe("loader", patched=False)
     assert not stock["patched"] and "KVP_CPP_LLAMA=per_head" in stock["require"]
     # llama_cpp imported before kvp_cpp: the stock library is in, and per-head mode says why it cannot be had
