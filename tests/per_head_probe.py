@@ -390,6 +390,51 @@ def scenario_engine(args):
             "cells_used": stats["cells_used"], "patched": _llama_lib.loaded_library_is_patched()}
 
 
+def scenario_engine_per_head(args):
+    """kvp_cpp.Llama(kv_mode=...) on a prompt ~4x the budget: text, counters, and every head's cells from the cache."""
+    budget = args.get("budget", 256)
+    mode = args.get("kv_mode", "per_head") if args["policy"] else "shared"
+    llm = kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=budget, kv_policy=args["policy"], kv_mode=mode,
+                        kv_position_mode=args.get("position_mode"), flash_attn=True, seed=0, verbose=False,
+                        n_threads=2)
+    out = llm.create_completion(PROMPT * args.get("repeat", 16), max_tokens=16, temperature=0.0)
+    result = {"text": out["choices"][0]["text"], "n_cells": int(llama_cpp.llama_n_ctx(llm._ctx.ctx))}
+    if args["policy"]:
+        stats = llm.kv_stats()
+        result.update(tokens_evicted=stats["tokens_evicted"], cells_used=stats["cells_used"])
+    if mode == "per_head":
+        hp = per_head.positions(llm, result["n_cells"])
+        L, H = hp.shape[:2]
+        counts = per_head.cell_counts(llm)
+        result.update(counts=sorted({int(c) for c in counts.ravel()}),
+                      n_distinct_sets=len({np.sort(hp[l, h][hp[l, h] >= 0]).tobytes() for l in range(L) for h in range(H)}),
+                      max_pos=int(hp.max()))
+    return result
+
+
+def scenario_kv_mode_errors(args):
+    """What kvp_cpp.Llama says to bad kv_mode requests (run on the stock and on the patched library)."""
+    said = {}
+    for name, kwargs in (("per_head", {"kv_mode": "per_head"}),
+                         ("per_head_compact", {"kv_mode": "per_head", "kv_position_mode": "compact"}),
+                         ("bogus", {"kv_mode": "heads"})):
+        try:
+            kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=256, kv_policy="keydiff", verbose=False, **kwargs)
+            said[name] = None
+        except (ValueError, RuntimeError) as e:
+            said[name] = f"{type(e).__name__}: {e}"
+    if _llama_lib.loaded_library_is_patched():
+        llm = kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=256, kv_policy="keydiff", kv_mode="per_head",
+                            verbose=False)
+        llm.eval(llm.tokenize(PROMPT.encode()))
+        try:
+            llm.save_state()
+            said["save_state"] = None
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            said["save_state"] = f"{type(e).__name__}: {e}"
+    return said
+
+
 def loaded_libraries():
     """The libllama/libggml files mapped into this process (/proc/self/maps), resolved."""
     import os

@@ -135,6 +135,50 @@ def test_shared_engine_unchanged_on_the_patched_library():
     assert patched == dict(stock, patched=True)
 
 
+KVP_FILE = pathlib.Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct.kvp.bin"
+
+
+@pytest.mark.parametrize("policy", ["keydiff", str(KVP_FILE)], ids=["keydiff", "kvp"])
+def test_engine_per_head_mode(policy):
+    """kvp_cpp.Llama(kv_mode="per_head"): a prompt ~4x a 256-cell budget; every head's cell count, read from
+    the cache, is the engine's cells_used <= budget, and the 90 heads keep 90 different token sets."""
+    r = run_probe("engine_per_head", {"policy": policy}, patched=True)
+    assert r["n_cells"] == 256 and r["tokens_evicted"] > 500
+    assert r["counts"] == [r["cells_used"]] and r["cells_used"] <= 256
+    assert r["n_distinct_sets"] == 90
+    assert r["max_pos"] > 900  # original positions
+    assert len(r["text"].strip()) > 0
+
+
+def test_engine_per_head_with_token_level_policy_is_the_shared_engine():
+    """A one-column policy (streaming) scores every head alike: per-head mode evicts the same tokens from every
+    head and produces what the shared engine produces (original positions in both)."""
+    args = {"policy": "streaming", "position_mode": "original"}
+    shared = run_probe("engine_per_head", dict(args, kv_mode="shared"), patched=True)
+    per = run_probe("engine_per_head", dict(args, kv_mode="per_head"), patched=True)
+    assert per["n_distinct_sets"] == 1
+    assert per["text"] == shared["text"]
+    assert (per["tokens_evicted"], per["cells_used"]) == (shared["tokens_evicted"], shared["cells_used"])
+
+
+def test_engine_per_head_without_eviction_is_stock():
+    """Budget above the token count: kv_mode="per_head" gives stock llama-cpp-python's greedy text."""
+    stock = run_probe("engine_per_head", {"policy": None, "budget": 1024, "repeat": 3}, patched=False)
+    per = run_probe("engine_per_head", {"policy": "keydiff", "budget": 1024, "repeat": 3}, patched=True)
+    assert per["tokens_evicted"] == 0 and per["n_distinct_sets"] == 1
+    assert per["text"] == stock["text"]
+
+
+def test_kv_mode_errors():
+    stock = run_probe("kv_mode_errors", patched=False)
+    assert stock["per_head"].startswith("RuntimeError") and "KVP_CPP_LLAMA=per_head" in stock["per_head"]
+    assert stock["per_head_compact"].startswith("ValueError") and "original" in stock["per_head_compact"]
+    assert stock["bogus"].startswith("ValueError") and "kv_mode" in stock["bogus"]
+    patched = run_probe("kv_mode_errors", patched=True)
+    assert patched["per_head"] is None
+    assert "not supported yet" in patched["save_state"]
+
+
 def test_unsupported_context_is_refused():
     r = run_probe("refused", patched=True)
     assert r["error"] and "cannot hold per-head state" in r["error"]

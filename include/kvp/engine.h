@@ -41,6 +41,9 @@ struct EngineConfig {
     int64_t compact_limit = 0;     // positions stay below this in compact mode; 0 = the model's n_ctx_train
     int64_t evicting_chunk = 0;    // prefill chunk once the cache is full; 0 = budget / 4
     int32_t seq_id = 0;
+    // Per-head mode: every (layer, KV head) of the cache evicts its own tokens (llama_kvp_* of the patched
+    // llama.cpp, looked up at attach time). Needs position_mode original.
+    bool per_head = false;
 };
 
 struct EngineStats {
@@ -143,6 +146,9 @@ private:
     void discard_from(size_t ledger_index);
     void forget_entries(size_t first, size_t last);
     void require_attached() const;
+    // Cells each head uses (per-head mode: the same for every head); the ledger size in shared mode.
+    int64_t cells_used() const;
+    void evict_per_head(size_t n_evict);
     void check_budget(int64_t budget, const char* action) const;
     Ledger parse_image(const uint8_t* data, size_t size, int64_t* next_logical) const;
 
@@ -150,6 +156,8 @@ private:
     ModelIdentity identity_;
     std::unique_ptr<EvictionPolicy> policy_;
     llama_context* ctx_ = nullptr;
+    // llama_kvp_evict of the patched llama.cpp (per-head mode), found with dlsym on the loaded libllama
+    int32_t (*kvp_evict_)(llama_context*, int32_t, const int32_t*) = nullptr;
     Ledger ledger_;
     std::vector<uint8_t> capture_layer_;    // per model layer: CaptureFlags; empty if nothing is captured
     uint32_t n_head_ = 0;                   // query heads
