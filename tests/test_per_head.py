@@ -194,7 +194,7 @@ def test_kv_buffer_bytes_equal_shared_mode():
     assert per["n_cells"] == shared["n_cells"] == 512
 
 
-def test_loader_selects_and_explains():
+def test_loader_selects_and_explains(tmp_path):
     patched = run_probe("loader", patched=True)
     assert patched["patched"] and patched["require"] is None
     assert patched["env"] == str(_llama_lib.lib_dir())
@@ -213,3 +213,10 @@ def test_loader_selects_and_explains():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "imported before kvp_cpp" in out.stdout
+    # asked for, but not built (an empty cache): a warning at import, and an error naming the build command
+    code = "import kvp_cpp\nfrom kvp_cpp import per_head\ntry:\n    per_head.enable(0)\nexcept RuntimeError as e:\n    print('ERR', e)\n"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, KVP_CPP_CACHE=str(tmp_path)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "not built" in out.stderr and _llama_lib.BUILD_COMMAND in out.stderr
+    assert "ERR" in out.stdout and _llama_lib.BUILD_COMMAND in out.stdout
