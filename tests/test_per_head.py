@@ -220,3 +220,99 @@ def test_loader_selects_and_explains(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "not built" in out.stderr and _llama_lib.BUILD_COMMAND in out.stderr
     assert "ERR" in out.stdout and _llama_lib.BUILD_COMMAND in out.stdout
+
+
+# ------------------------------------------------------------------------------------------------ kvp-bench
+
+
+BENCH_BUDGETS = (64, 1024)  # 1024 holds every prompt: nothing is evicted
+
+
+def launch_bench(*args: str) -> subprocess.CompletedProcess:
+    """kvp-bench through its launcher, which starts the binary on the patched library for --kv-modes per_head."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_CPP_LIB_PATH", _llama_lib.ENV_SELECT)}
+    result = subprocess.run([sys.executable, "-m", "kvp_cpp.bench", *args], capture_output=True, text=True,
+                            timeout=600, env=env)
+    if result.returncode != 0:
+        raise AssertionError(f"kvp-bench failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+def bench_records(json_path) -> list:
+    with open(str(json_path)[: -len(".json")] + ".samples.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def bench_tasks(tmp_path_factory, model_path):
+    from kvp_cpp.ruler import LlamaTokenizer, generate
+
+    path = tmp_path_factory.mktemp("tasks") / "niah.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for record in generate("niah_single_1", 384, 2, LlamaTokenizer(model_path)):
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def test_bench_compares_shared_and_per_head_side_by_side(tmp_path, model_path, bench_tasks):
+    """kvp-bench --kv-modes shared,per_head: per-head results next to shared ones in one run; the shared results
+    are those of a run on the stock library, a per-head result is the one it gives alone, each per-head cache is
+    compressed to the budget, and one that holds the prompt evicts nothing."""
+    common = ["-m", model_path, "--tasks", str(bench_tasks), "--budgets", ",".join(map(str, BENCH_BUDGETS)),
+              "--max-new-tokens", "8", "--variants", "question_included", "-t", "2"]
+    both = tmp_path / "both.json"
+    result = launch_bench(*common, "--policies", "kvp,keydiff,full", "--kv-modes", "shared,per_head", "-o", str(both))
+    stock = tmp_path / "stock.json"
+    launch_bench(*common, "--policies", "kvp,keydiff,full", "-o", str(stock))
+    alone = tmp_path / "alone.json"
+    launch_bench(*common, "--samples", "1", "--policies", "kvp", "--budgets", str(min(BENCH_BUDGETS)),
+                 "--kv-modes", "per_head", "-o", str(alone))
+
+    key = lambda r: (r["task"], r["index"], r["policy"], r["budget"], r["kv_mode"])  # noqa: E731
+    records = {key(r): r for r in bench_records(both)}
+    assert len(records) == 2 * (2 * 2 * len(BENCH_BUDGETS) + 1)
+    assert {r["kv_mode"] for r in records.values()} == {"shared", "per_head"}
+    fields = ("prediction", "score", "llama_cells", "tokens_evicted", "compressed_cells", "cells_max", "kept_digest")
+    for r in bench_records(stock):  # shared results: unchanged by the patched library and the per-head jobs
+        assert [records[key(r)][f] for f in fields] == [r[f] for f in fields], key(r)
+    for r in bench_records(alone):
+        assert [records[key(r)][f] for f in fields] == [r[f] for f in fields], key(r)
+
+    for k, r in records.items():
+        if r["kv_mode"] != "per_head":
+            continue
+        shared = records[k[:-1] + ("shared",)]
+        assert r["compressed_cells"] == min(r["budget"], r["context_tokens"])
+        assert r["cells_max"] == r["compressed_cells"] + r["decoded_tokens"]
+        if r["budget"] >= r["context_tokens"]:
+            full = records[(k[0], k[1], "full", None, "shared")]
+            assert r["tokens_evicted"] == 0 and r["prediction"] == full["prediction"]
+        elif r["policy"].startswith("kvp:"):
+            assert r["kept_digest"] != shared["kept_digest"]  # the heads kept different tokens
+
+    document = json.loads(both.read_text())
+    assert document["config"]["kv_modes"] == ["shared", "per_head"]
+    assert {(row["policy"].split(":")[0], row["kv_mode"]) for row in document["results"]} == {
+        ("kvp", "shared"), ("kvp", "per_head"), ("keydiff", "shared"), ("keydiff", "per_head"), ("full", "shared")}
+    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
+    assert table[0][:4] == ["variant", "policy", "kv mode", "budget"]
+    assert {line[2] for line in table[2:]} == {"shared", "per_head"}
+
+
+def test_bench_speed_reports_per_head_against_shared(tmp_path, model_path):
+    out = tmp_path / "speed.json"
+    result = launch_bench("-m", model_path, "--speed", "--contexts", "160", "--policies", "keydiff,full",
+                          "--budgets", "64", "--decode-tokens", "4", "--kv-modes", "shared,per_head", "-t", "2",
+                          "-o", str(out))
+    rows = json.loads(out.read_text())["speed"]
+    assert [(r["policy"], r["kv_mode"]) for r in rows] == [
+        ("full", "shared"), ("keydiff", "shared"), ("keydiff", "per_head")]
+    shared, per_head = rows[1], rows[2]
+    assert per_head["prefill_vs_shared"] == pytest.approx(
+        per_head["prefill_tokens_per_second"] / shared["prefill_tokens_per_second"])
+    assert per_head["decode_vs_shared"] == pytest.approx(shared["decode_ms_per_token"] / per_head["decode_ms_per_token"])
+    assert shared["prefill_vs_shared"] == 0
+    assert per_head["kv_bytes"] == shared["kv_bytes"] and per_head["cells_max"] <= 64
+    assert per_head["tokens_evicted"] >= 160 + 4 - 64
+    header = [cell.strip() for cell in result.stdout.splitlines()[0].strip("|").split("|")]
+    assert header[:2] == ["policy", "kv mode"] and "prefill vs shared" in header and "decode vs shared" in header

@@ -30,6 +30,8 @@ enum class PositionMode {
     compact,   // positions are shifted down over evicted gaps, lazily, when the next one would pass compact_limit
 };
 PositionMode position_mode_from_name(const std::string& name);  // throws std::invalid_argument
+// Whether the libllama this process loaded is the patched one with per-head eviction (llama_kvp_*).
+bool per_head_available();
 const char* position_mode_name(PositionMode mode);
 
 struct EngineConfig {

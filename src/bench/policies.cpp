@@ -66,9 +66,11 @@ std::unique_ptr<EvictionPolicy> PolicyFactory::make_policy() const {
     return kvp::make_policy(source_, identity_, options);
 }
 
-std::unique_ptr<Engine> PolicyFactory::make_engine(int64_t budget) const {
+std::unique_ptr<Engine> PolicyFactory::make_engine(int64_t budget, bool per_head, bool original_positions) const {
     if (is_full()) throw std::logic_error("the full cache has no engine");
     EngineConfig config;
+    config.per_head = per_head;
+    if (per_head || original_positions) config.position_mode = PositionMode::original;
     config.budget = budget;
     config.protection = protection_;
     config.combine = options_.combine;

@@ -35,8 +35,10 @@ public:
     Protection protection() const { return protection_; }
     int64_t min_budget() const { return int64_t(protection_.n_sink) + protection_.n_recent + 1; }
 
-    // A fresh engine for this policy (not for `full`), not yet attached.
-    std::unique_ptr<Engine> make_engine(int64_t budget) const;
+    // A fresh engine for this policy (not for `full`), not yet attached. per_head: each (layer, KV head) evicts its
+    // own tokens (needs the patched llama.cpp); original_positions: no position compaction (per-head mode needs it,
+    // and llama.cpp cannot shift positions in a context where per-head mode is on).
+    std::unique_ptr<Engine> make_engine(int64_t budget, bool per_head = false, bool original_positions = false) const;
 
 private:
     std::unique_ptr<EvictionPolicy> make_policy() const;

@@ -59,6 +59,8 @@ void* kvp_symbol(const char* name) {
 
 }  // namespace
 
+bool per_head_available() { return kvp_symbol("llama_kvp_evict") != nullptr; }
+
 PositionMode position_mode_from_name(const std::string& name) {
     if (name == "original") return PositionMode::original;
     if (name == "compact") return PositionMode::compact;
