@@ -290,6 +290,7 @@ NB_MODULE(_core, m) {
         .def("end_batch", &kvp::Engine::end_batch)
         .def("abort_batch", &kvp::Engine::abort_batch)
         .def("truncate", &kvp::Engine::truncate, "n_logical"_a)
+        .def("forget_from", &kvp::Engine::forget_from, "n_logical"_a)
         .def("compress", &kvp::Engine::compress, "budget"_a)
         .def("set_budget", &kvp::Engine::set_budget, "budget"_a)
         .def("reset", &kvp::Engine::reset)

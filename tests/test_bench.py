@@ -436,6 +436,10 @@ def test_per_head_mode_needs_the_patched_library(monkeypatch, tmp_path, model_pa
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "needs the patched llama.cpp" in result.stderr
     assert not (tmp_path / "x.samples.jsonl").exists()
+    per_layer = subprocess.run([bench.binary_path(), "-m", model_path, "--tasks", str(tasks_file), "--policies", "tova",
+                                "--kv-modes", "per_head", "-o", str(tmp_path / "x.json")],
+                               capture_output=True, text=True, timeout=120)
+    assert per_layer.returncode == 1 and "tova scores per layer, not per KV head" in per_layer.stderr
     bad = subprocess.run([bench.binary_path(), "-m", model_path, "--tasks", str(tasks_file), "--kv-modes", "per_layer"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--kv-modes takes shared and per_head" in bad.stderr

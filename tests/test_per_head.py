@@ -261,16 +261,18 @@ def test_bench_compares_shared_and_per_head_side_by_side(tmp_path, model_path, b
     common = ["-m", model_path, "--tasks", str(bench_tasks), "--budgets", ",".join(map(str, BENCH_BUDGETS)),
               "--max-new-tokens", "8", "--variants", "question_included", "-t", "2"]
     both = tmp_path / "both.json"
-    result = launch_bench(*common, "--policies", "kvp,keydiff,full", "--kv-modes", "shared,per_head", "-o", str(both))
+    result = launch_bench(*common, "--policies", "kvp,keydiff,streaming,full", "--kv-modes", "shared,per_head",
+                          "-o", str(both))
+    assert "streaming runs shared only: one score per token" in result.stderr
     stock = tmp_path / "stock.json"
-    launch_bench(*common, "--policies", "kvp,keydiff,full", "-o", str(stock))
+    launch_bench(*common, "--policies", "kvp,keydiff,streaming,full", "-o", str(stock))
     alone = tmp_path / "alone.json"
     launch_bench(*common, "--samples", "1", "--policies", "kvp", "--budgets", str(min(BENCH_BUDGETS)),
                  "--kv-modes", "per_head", "-o", str(alone))
 
     key = lambda r: (r["task"], r["index"], r["policy"], r["budget"], r["kv_mode"])  # noqa: E731
     records = {key(r): r for r in bench_records(both)}
-    assert len(records) == 2 * (2 * 2 * len(BENCH_BUDGETS) + 1)
+    assert len(records) == 2 * ((2 * 2 + 1) * len(BENCH_BUDGETS) + 1)  # streaming: shared only
     assert {r["kv_mode"] for r in records.values()} == {"shared", "per_head"}
     fields = ("prediction", "score", "llama_cells", "tokens_evicted", "compressed_cells", "cells_max", "kept_digest")
     for r in bench_records(stock):  # shared results: unchanged by the patched library and the per-head jobs
@@ -293,7 +295,8 @@ def test_bench_compares_shared_and_per_head_side_by_side(tmp_path, model_path, b
     document = json.loads(both.read_text())
     assert document["config"]["kv_modes"] == ["shared", "per_head"]
     assert {(row["policy"].split(":")[0], row["kv_mode"]) for row in document["results"]} == {
-        ("kvp", "shared"), ("kvp", "per_head"), ("keydiff", "shared"), ("keydiff", "per_head"), ("full", "shared")}
+        ("kvp", "shared"), ("kvp", "per_head"), ("keydiff", "shared"), ("keydiff", "per_head"), ("streaming", "shared"),
+        ("full", "shared")}
     table = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
     assert table[0][:4] == ["variant", "policy", "kv mode", "budget"]
     assert {line[2] for line in table[2:]} == {"shared", "per_head"}

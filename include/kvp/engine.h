@@ -118,6 +118,10 @@ public:
     // Forgets the tokens with logical index >= n_logical, if the cache still holds every token before it.
     // Returns false, changing nothing, if tokens of that prefix were evicted (the caller must re-prefill).
     bool truncate(int64_t n_logical);
+    // Forgets the tokens with logical index >= n_logical and keeps whatever the cache holds of those before it (a
+    // conversation cut back to an earlier turn). Returns false, changing nothing, only in per-head mode when the
+    // heads hold different numbers of the forgotten tokens (llama.cpp cannot remove them per head).
+    bool forget_from(int64_t n_logical);
     // Forgets everything and clears the sequence's cells.
     void reset();
 

@@ -66,7 +66,41 @@ def extract_llama_cpp(sdist: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
 
 def apply_patches(src: pathlib.Path) -> None:
     for p in patches():
-        subprocess.run(["patch", "-p1", "--batch", "--forward", "--quiet", "-i", str(p)], cwd=src, check=True)
+        if shutil.which("patch"):
+            subprocess.run(["patch", "-p1", "--batch", "--forward", "--quiet", "-i", str(p)], cwd=src, check=True)
+        elif shutil.which("git"):  # minimal images have git (the repository came with it) but not always patch
+            subprocess.run(["git", "apply", "-p1", str(p)], cwd=src, check=True)
+        else:
+            raise SystemExit("kvp_cpp.llama_build: neither `patch` nor `git` is installed; install one of them")
+
+
+def cmake_command() -> str:
+    """CMake from PATH, else from the `cmake` package of PyPI (pip install cmake)."""
+    found = shutil.which("cmake")
+    if found:
+        return found
+    try:
+        import cmake  # the PyPI wheel: CMake's binaries inside the package
+
+        return os.path.join(cmake.CMAKE_BIN_DIR, "cmake")
+    except ImportError:
+        raise SystemExit("kvp_cpp.llama_build needs CMake >= 3.21: pip install cmake (or install it from your "
+                         "distribution)") from None
+
+
+def generator_args() -> List[str]:
+    """CMake's default generator (make) when make is installed, else Ninja (from PATH or PyPI's `ninja`)."""
+    if shutil.which("make"):
+        return []
+    ninja = shutil.which("ninja")
+    if not ninja:
+        try:
+            import ninja as ninja_package
+
+            ninja = os.path.join(ninja_package.BIN_DIR, "ninja")
+        except ImportError:
+            raise SystemExit("kvp_cpp.llama_build needs make or Ninja: pip install ninja") from None
+    return ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
 
 
 def build(jobs: int = 2, verbose: bool = False) -> pathlib.Path:
@@ -84,8 +118,9 @@ def build(jobs: int = 2, verbose: bool = False) -> pathlib.Path:
         apply_patches(src)
         bld = tmp / "build"
         quiet = {} if verbose else {"stdout": subprocess.DEVNULL}
-        subprocess.run(["cmake", "-S", str(src), "-B", str(bld), *CMAKE_ARGS], check=True, **quiet)
-        subprocess.run(["cmake", "--build", str(bld), "-j", str(jobs), "--target", "llama"], check=True, **quiet)
+        cmake = cmake_command()
+        subprocess.run([cmake, "-S", str(src), "-B", str(bld), *generator_args(), *CMAKE_ARGS], check=True, **quiet)
+        subprocess.run([cmake, "--build", str(bld), "-j", str(jobs), "--target", "llama"], check=True, **quiet)
         stage = tmp / "lib"
         stage.mkdir()
         for f in sorted((bld / "bin").iterdir()):

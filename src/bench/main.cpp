@@ -285,13 +285,24 @@ json policies_json(const std::vector<PolicyFactory>& policies) {
 // Before any work: each budget against each policy, and the patched llama.cpp for per-head mode.
 void check_policies(const std::vector<PolicyFactory>& policies, const Options& o) {
     const bool per_head = std::find(o.kv_modes.begin(), o.kv_modes.end(), kPerHeadMode) != o.kv_modes.end();
+    for (const PolicyFactory& policy : policies) {
+        if (policy.is_full()) continue;
+        const bool runs = std::any_of(o.kv_modes.begin(), o.kv_modes.end(), [&](const std::string& mode) {
+            return runs_in_mode(policy, mode, o.kv_modes);
+        });
+        if (!runs)
+            throw std::invalid_argument(display_label(policy.label()) + " scores per layer, not per KV head: it cannot "
+                                        "evict per head (run it with --kv-modes shared)");
+        if (per_head && !runs_in_mode(policy, kPerHeadMode, o.kv_modes))
+            std::fprintf(stderr, "[kvp-bench] %s runs shared only: %s\n", display_label(policy.label()).c_str(),
+                         policy.scores_per_token() ? "one score per token evicts the same tokens in every head"
+                                                   : "it scores per layer, not per KV head");
+        for (int64_t budget : o.budgets) policy.make_engine(budget, per_head);
+    }
     if (per_head && !per_head_available())
         throw std::invalid_argument("--kv-modes per_head needs the patched llama.cpp, and this process loaded the stock "
                                     "one: build it once with python -m kvp_cpp.llama_build, then run kvp-bench through "
                                     "its launcher (which loads it)");
-    for (const PolicyFactory& policy : policies)
-        if (!policy.is_full())
-            for (int64_t budget : o.budgets) policy.make_engine(budget, per_head);
 }
 
 json run_json(double wall_seconds) {

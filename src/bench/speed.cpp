@@ -113,7 +113,8 @@ std::vector<SpeedRow> run_speed(Model& model, const std::vector<PolicyFactory>& 
         std::find(config.kv_modes.begin(), config.kv_modes.end(), kPerHeadMode) != config.kv_modes.end();
     int64_t cases = 0;
     for (const PolicyFactory& policy : policies)
-        cases += policy.is_full() ? 1 : int64_t(budgets.size() * config.kv_modes.size());
+        for (const std::string& mode : policy.is_full() ? std::vector<std::string>{kSharedMode} : config.kv_modes)
+            cases += runs_in_mode(policy, mode, config.kv_modes) ? (policy.is_full() ? 1 : int64_t(budgets.size())) : 0;
     Progress progress(cases * int64_t(config.contexts.size()));
 
     {  // warm-up: page in the weights and let the CPU settle before the first measured case
@@ -140,6 +141,7 @@ std::vector<SpeedRow> run_speed(Model& model, const std::vector<PolicyFactory>& 
             const std::vector<int64_t> case_budgets = policy->is_full() ? std::vector<int64_t>{kUnbounded} : budgets;
             for (int64_t budget : case_budgets)
             for (const std::string& mode : policy->is_full() ? std::vector<std::string>{kSharedMode} : config.kv_modes) {
+                if (!runs_in_mode(*policy, mode, config.kv_modes)) continue;
                 SpeedRow row;
                 row.policy = policy->label();
                 row.kv_mode = mode;

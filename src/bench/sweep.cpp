@@ -31,7 +31,9 @@ std::vector<Job> all_jobs(const SweepConfig& config) {
                 continue;
             }
             for (const std::string& mode : config.kv_modes)
-                for (int64_t budget : config.budgets) jobs.push_back({&policy, budget, &variant, mode == kPerHeadMode});
+                if (runs_in_mode(policy, mode, config.kv_modes))
+                    for (int64_t budget : config.budgets)
+                        jobs.push_back({&policy, budget, &variant, mode == kPerHeadMode});
         }
     return jobs;
 }

@@ -435,11 +435,13 @@ void Engine::forget_entries(size_t first, size_t last) {
 
 void Engine::discard_from(size_t ledger_index) {
     if (ledger_index >= ledger_.size()) return;
-    forget_entries(ledger_index, ledger_.size());
     if (ctx_) {
-        llama_memory_seq_rm(llama_get_memory(ctx_), config_.seq_id, llama_pos(ledger_.cache_pos(ledger_index)), -1);
+        if (!llama_memory_seq_rm(llama_get_memory(ctx_), config_.seq_id, llama_pos(ledger_.cache_pos(ledger_index)), -1))
+            throw std::runtime_error("llama.cpp refused to remove the cells from position " +
+                                     std::to_string(ledger_.cache_pos(ledger_index)) + " on");
         ++stats_.seq_rm_calls;
     }
+    forget_entries(ledger_index, ledger_.size());
     ledger_.truncate(ledger_index);
 }
 
@@ -485,6 +487,18 @@ bool Engine::truncate(int64_t n_logical) {
     if (int64_t(index) != n_logical) return false;  // part of the prefix was evicted
     for (int h = 0; h < ledger_.n_holders(); ++h)
         if (ledger_.held_count(h, 0, index) != index) return false;  // ... from some heads
+    discard_from(index);
+    next_logical_ = n_logical;
+    return true;
+}
+
+bool Engine::forget_from(int64_t n_logical) {
+    if (in_batch_) throw std::logic_error("forget_from during a batch");
+    if (n_logical < 0) n_logical = 0;
+    if (n_logical >= next_logical_) return true;
+    const size_t index = ledger_.lower_bound(n_logical);
+    for (int h = 1; h < ledger_.n_holders(); ++h)
+        if (ledger_.held_count(h, index, ledger_.size()) != ledger_.held_count(0, index, ledger_.size())) return false;
     discard_from(index);
     next_logical_ = n_logical;
     return true;
