@@ -103,6 +103,19 @@ def generator_args() -> List[str]:
     return ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
 
 
+def _run_verbose(cmd: List[str]) -> None:
+    subprocess.run(cmd, check=True)
+
+
+def _run_quiet(cmd: List[str]) -> None:
+    """Runs a build step silently (llama.cpp's compiler warnings fill thousands of lines); on failure, shows the end
+    of its output."""
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    if done.returncode != 0:
+        sys.stderr.write("\n".join(done.stdout.splitlines()[-60:]) + "\n")
+        raise subprocess.CalledProcessError(done.returncode, cmd)
+
+
 def build(jobs: int = 2, verbose: bool = False) -> pathlib.Path:
     """Builds the patched libraries unless this patch series is already built; returns their folder."""
     out = lib_dir()
@@ -117,10 +130,10 @@ def build(jobs: int = 2, verbose: bool = False) -> pathlib.Path:
         src = extract_llama_cpp(sdist, tmp)
         apply_patches(src)
         bld = tmp / "build"
-        quiet = {} if verbose else {"stdout": subprocess.DEVNULL}
         cmake = cmake_command()
-        subprocess.run([cmake, "-S", str(src), "-B", str(bld), *generator_args(), *CMAKE_ARGS], check=True, **quiet)
-        subprocess.run([cmake, "--build", str(bld), "-j", str(jobs), "--target", "llama"], check=True, **quiet)
+        run = _run_verbose if verbose else _run_quiet
+        run([cmake, "-S", str(src), "-B", str(bld), *generator_args(), *CMAKE_ARGS])
+        run([cmake, "--build", str(bld), "-j", str(jobs), "--target", "llama"])
         stage = tmp / "lib"
         stage.mkdir()
         for f in sorted((bld / "bin").iterdir()):
