@@ -426,3 +426,30 @@ def test_plots_are_written_for_tasks(sweep, tmp_path):
     for path in paths:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_per_head_mode_needs_the_patched_library(monkeypatch, tmp_path, model_path, tasks_file):
+    """The binary on llama-cpp-python's own library refuses --kv-modes per_head before any work, and the launcher
+    names the build command when the patched library is missing."""
+    result = subprocess.run([bench.binary_path(), "-m", model_path, "--tasks", str(tasks_file), "--policies",
+                             "keydiff", "--kv-modes", "shared,per_head", "-o", str(tmp_path / "x.json")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "needs the patched llama.cpp" in result.stderr
+    assert not (tmp_path / "x.samples.jsonl").exists()
+    per_layer = subprocess.run([bench.binary_path(), "-m", model_path, "--tasks", str(tasks_file), "--policies", "tova",
+                                "--kv-modes", "per_head", "-o", str(tmp_path / "x.json")],
+                               capture_output=True, text=True, timeout=120)
+    assert per_layer.returncode == 1 and "tova scores per layer, not per KV head" in per_layer.stderr
+    bad = subprocess.run([bench.binary_path(), "-m", model_path, "--tasks", str(tasks_file), "--kv-modes", "per_layer"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--kv-modes takes shared and per_head" in bad.stderr
+
+    from kvp_cpp import _llama_lib
+
+    monkeypatch.setattr(_llama_lib, "is_built", lambda: False)
+    assert bench.environment(["kvp-bench", "--kv-modes", "shared"]) == dict(os.environ)
+    with pytest.raises(SystemExit, match="python -m kvp_cpp.llama_build"):
+        bench.environment(["kvp-bench", "--kv-modes", "shared,per_head"])
+    monkeypatch.setattr(_llama_lib, "is_built", lambda: True)
+    env = bench.environment(["kvp-bench", "--kv-modes", "per_head"])
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(_llama_lib.lib_dir())

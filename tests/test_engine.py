@@ -329,6 +329,32 @@ def test_set_budget_after_compress_appends_without_evicting(model_path):
         llm.kv_set_budget(2.5)
 
 
+def test_forget_from_keeps_the_cached_part_of_the_prefix(model_path):
+    """Engine.forget_from (a conversation cut back to an earlier turn): after evictions, the tokens from n on leave
+    the ledger and llama.cpp's cells, those before n that the cache holds stay with their scores, and the next
+    tokens continue from logical index n; truncate refuses the same cut because part of the prefix is gone."""
+    llm = kvp_cpp.Llama(model_path, n_ctx=128, kv_policy="keydiff", verbose=False)
+    llm.eval(long_prompt(llm, 400))
+    before = llm.kv_engine.ledger()
+    n = int(before["logical"][len(before["logical"]) // 2])  # a cached token in the middle of the cache
+    assert not llm.kv_engine.truncate(n)
+    seq_rm_calls = llm.kv_stats()["seq_rm_calls"]
+    assert llm.kv_engine.forget_from(n)
+    after = llm.kv_engine.ledger()
+    kept = before["logical"] < n
+    assert after["logical"].tolist() == before["logical"][kept].tolist()
+    assert after["cache_pos"].tolist() == before["cache_pos"][kept].tolist()
+    assert np.array_equal(after["scores"], before["scores"][kept])
+    assert sorted(cached_positions(llm).tolist()) == after["cache_pos"].tolist()
+    assert llm.kv_engine.logical_length == n and llm.kv_stats()["seq_rm_calls"] == seq_rm_calls + 1
+    assert llm.kv_engine.forget_from(10**6)  # nothing to forget
+    llm.n_tokens = n
+    llm.eval(long_prompt(llm, 50))
+    ledger = llm.kv_engine.ledger()
+    assert ledger["logical"].max() == n + 49 and llm.kv_engine.logical_length == n + 50
+    assert_within_budget(llm, 128)
+
+
 def test_shipped_policy_by_name(model_path):
     shipped = kvp_cpp.shipped_policies()
     assert "smollm2-135m-instruct" in shipped

@@ -363,6 +363,10 @@ def test_same_seed_gives_identical_jsonl_and_other_seeds_differ(tmp_path):
     assert list(records[0]) == ["index", "task", "input", "question", "answer_prefix", "outputs", "metric", "length",
                                 "max_new_tokens", "target_length", "template"]
     assert {r["metric"] for r in records} == {"string_match_all"} and {r["target_length"] for r in records} == {768}
+    interleaved = _run_cli(tmp_path, "d.jsonl", "--interleave").decode().splitlines()
+    assert sorted(interleaved) == sorted(first.decode().splitlines())  # the same samples...
+    assert [(json.loads(line)["task"], json.loads(line)["index"]) for line in interleaved] == [
+        ("niah_multikey_3", 0), ("fwe", 0), ("niah_multikey_3", 1), ("fwe", 1)]  # ...round-robin over the tasks
 
 
 def test_module_entry_point_defaults_to_the_six_synthetic_tasks(tmp_path):

@@ -30,6 +30,8 @@ enum class PositionMode {
     compact,   // positions are shifted down over evicted gaps, lazily, when the next one would pass compact_limit
 };
 PositionMode position_mode_from_name(const std::string& name);  // throws std::invalid_argument
+// Whether the libllama this process loaded is the patched one with per-head eviction (llama_kvp_*).
+bool per_head_available();
 const char* position_mode_name(PositionMode mode);
 
 struct EngineConfig {
@@ -41,6 +43,9 @@ struct EngineConfig {
     int64_t compact_limit = 0;     // positions stay below this in compact mode; 0 = the model's n_ctx_train
     int64_t evicting_chunk = 0;    // prefill chunk once the cache is full; 0 = budget / 4
     int32_t seq_id = 0;
+    // Per-head mode: every (layer, KV head) of the cache evicts its own tokens (llama_kvp_* of the patched
+    // llama.cpp, looked up at attach time). Needs position_mode original.
+    bool per_head = false;
 };
 
 struct EngineStats {
@@ -113,6 +118,10 @@ public:
     // Forgets the tokens with logical index >= n_logical, if the cache still holds every token before it.
     // Returns false, changing nothing, if tokens of that prefix were evicted (the caller must re-prefill).
     bool truncate(int64_t n_logical);
+    // Forgets the tokens with logical index >= n_logical and keeps whatever the cache holds of those before it (a
+    // conversation cut back to an earlier turn). Returns false, changing nothing, only in per-head mode when the
+    // heads hold different numbers of the forgotten tokens (llama.cpp cannot remove them per head).
+    bool forget_from(int64_t n_logical);
     // Forgets everything and clears the sequence's cells.
     void reset();
 
@@ -143,6 +152,9 @@ private:
     void discard_from(size_t ledger_index);
     void forget_entries(size_t first, size_t last);
     void require_attached() const;
+    // Cells each head uses (per-head mode: the same for every head); the ledger size in shared mode.
+    int64_t cells_used() const;
+    void evict_per_head(size_t n_evict);
     void check_budget(int64_t budget, const char* action) const;
     Ledger parse_image(const uint8_t* data, size_t size, int64_t* next_logical) const;
 
@@ -150,6 +162,8 @@ private:
     ModelIdentity identity_;
     std::unique_ptr<EvictionPolicy> policy_;
     llama_context* ctx_ = nullptr;
+    // llama_kvp_evict of the patched llama.cpp (per-head mode), found with dlsym on the loaded libllama
+    int32_t (*kvp_evict_)(llama_context*, int32_t, const int32_t*) = nullptr;
     Ledger ledger_;
     std::vector<uint8_t> capture_layer_;    // per model layer: CaptureFlags; empty if nothing is captured
     uint32_t n_head_ = 0;                   // query heads

@@ -39,4 +39,10 @@ std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector
 // Throws std::logic_error if too few candidates exist.
 std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, size_t n_evict, HeadCombine combine);
 
+// Per-head mode (the ledger has holders): for every head h, the n_evict candidates that h still holds with h's
+// lowest scores (column h, or column 0 for a one-column policy), as ascending ledger indices; victims[h]. No
+// combination across heads. Same tie and non-finite rules as select_victims. Throws std::logic_error if a head
+// holds too few candidates, std::invalid_argument if the policy's columns are neither 1 nor one per head.
+std::vector<std::vector<size_t>> select_victims_per_head(const Ledger& ledger, Protection protection, size_t n_evict);
+
 }  // namespace kvp

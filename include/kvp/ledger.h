@@ -27,6 +27,17 @@ public:
     int64_t original_pos(size_t i) const { return original_pos_[i]; }
     int64_t cache_pos(size_t i) const { return cache_pos_[i]; }
     void set_cache_pos(size_t i, int64_t pos) { cache_pos_[i] = pos; }
+    // Per-head mode: which heads (columns of the per-head KV cache, layer-major) still hold each entry. An entry
+    // stays while any head holds it. n_holders = 0 (the default) is the shared mode, where every entry is held by
+    // every head. set_holders() is for an empty ledger; append() makes a new entry held by every head.
+    void set_holders(int n_holders);
+    int n_holders() const { return n_holders_; }
+    bool held(size_t i, int head) const { return n_holders_ == 0 || holders_[i * n_holders_ + head] != 0; }
+    void release(size_t i, int head) { holders_[i * n_holders_ + head] = 0; }
+    bool held_by_any(size_t i) const;
+    // Entries in [first, last) that `head` holds (the whole range in shared mode).
+    size_t held_count(int head, size_t first, size_t last) const;
+
     const int64_t* logical_data() const { return logical_.data(); }
     const int64_t* original_pos_data() const { return original_pos_.data(); }
     float* scores(size_t i) { return scores_.data() + i * n_columns_; }
@@ -43,6 +54,8 @@ private:
     int n_columns_;
     std::vector<int64_t> logical_, original_pos_, cache_pos_;
     std::vector<float> scores_;
+    int n_holders_ = 0;
+    std::vector<uint8_t> holders_;  // [entry][head], per-head mode only
 };
 
 }  // namespace kvp

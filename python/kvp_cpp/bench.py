@@ -5,14 +5,15 @@ The binary finds llama.cpp's libraries through its RUNPATH, relative to its own 
 ``-m <kvp_cpp.default_model_path()>`` when no model is given, and, when no ``--tasks``/``--text`` is given, a small
 default sweep: RULER tasks generated once with ``kvp_cpp.ruler`` into a cache folder, policies
 ``full,streaming,random`` (and ``kvp``, the shipped learned policy, when one matches the model) and budgets
-``256,512`` unless given (with ``--speed``: the same policies, budget ``1024``). In ``--policies``, ``kvp`` is replaced by ``kvp:PATH`` of that shipped policy. Every
-other argument goes to the binary unchanged.
+``256,512`` unless given (with ``--speed``: the same policies, budget ``1024``). In ``--policies``, ``kvp`` is replaced by ``kvp:PATH`` of that shipped policy. With
+``--kv-modes`` naming ``per_head``, the binary is started on the patched llama.cpp (``python -m
+kvp_cpp.llama_build``). Every other argument goes to the binary unchanged.
 """
 from __future__ import annotations
 
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 DEFAULT_TASKS = ("niah_single_1", "niah_multikey_2", "vt")
 DEFAULT_LENGTH = 1024
@@ -108,11 +109,28 @@ def default_policies(model_path: str) -> str:
     return DEFAULT_POLICIES + ",kvp"
 
 
+def environment(cmd: Sequence[str]) -> Dict[str, str]:
+    """The binary's environment: with ``--kv-modes`` naming per_head, the patched llama.cpp's folder first on
+    ``LD_LIBRARY_PATH`` (searched before the binary's RUNPATH), so that the binary loads that build."""
+    env = dict(os.environ)
+    args = list(cmd)
+    if "--kv-modes" not in args[:-1] or "per_head" not in args[args.index("--kv-modes") + 1].split(","):
+        return env
+    from . import _llama_lib
+
+    if not _llama_lib.is_built():
+        raise SystemExit(f"kvp-bench: --kv-modes per_head needs the patched llama.cpp, which is not built "
+                         f"({_llama_lib.lib_dir()}): run `{_llama_lib.BUILD_COMMAND}` once (about 3-5 minutes)")
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(_llama_lib.lib_dir()), env.get("LD_LIBRARY_PATH")) if p)
+    return env
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     cmd = command(sys.argv[1:] if argv is None else argv)
+    env = environment(cmd)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, env)
     return 0  # not reached
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import llama_cpp
 from llama_cpp import _internals as internals
 
-from . import _core
+from . import _core, _llama_lib
 from .shipped import SHIPPED_NAME, shipped_policy_for
 
 #: Logical tokens (everything ever evaluated in the sequence) a policy-driven Llama accepts by default. Only
@@ -28,6 +28,9 @@ DEFAULT_MAX_TOKENS = 1 << 20
 KV_CELL_ROUNDING = 256
 
 POSITION_MODES = ("compact", "original")
+#: shared: one token set for all heads (stock llama.cpp); per_head: each (layer, KV head) keeps its own (the
+#: patched llama.cpp, KVP_CPP_LLAMA=per_head; see docs/per_head.md)
+KV_MODES = ("shared", "per_head")
 HEAD_COMBINES = ("sum_softmax", "max_softmax", "mean", "mean_rank")
 
 
@@ -130,7 +133,11 @@ class Llama(llama_cpp.Llama):
     - ``kv_sink`` / ``kv_recent``: the first and the last tokens that are never evicted (defaults: the policy
       file's, else 4 and 16). ``kv_recent`` >= 1, since a batch must follow the newest cached position. On models
       with sliding-window layers (Gemma 3) it is raised to the window, whose tokens must stay for those layers.
-    - ``kv_position_mode``: ``"compact"`` (default) shifts positions down over evicted gaps, lazily, only when the
+    - ``kv_mode``: ``"shared"`` (default; one token set for all heads, any llama.cpp) or ``"per_head"`` (each
+      (layer, KV head) keeps and evicts its own tokens; needs the patched llama.cpp, ``KVP_CPP_LLAMA=per_head`` and
+      ``python -m kvp_cpp.llama_build``, original positions, and no save_state/load_state yet; see
+      docs/per_head.md). ``kv_head_combine`` does not apply to it.
+    - ``kv_position_mode``: ``"compact"`` (default; ``"original"`` with ``kv_mode="per_head"``) shifts positions down over evicted gaps, lazily, only when the
       next position would reach the model's training context; ``"original"`` keeps every token's position.
     - ``kv_evict_fraction``: a full cache sheds at least this fraction of the budget at once (default 1/16).
     - ``kv_head_combine``: how per-head scores become one keep-score per token (cells are shared by all heads):
@@ -149,7 +156,8 @@ class Llama(llama_cpp.Llama):
         kv_budget: Optional[int] = None,
         kv_sink: Optional[int] = None,
         kv_recent: Optional[int] = None,
-        kv_position_mode: str = "compact",
+        kv_mode: str = "shared",
+        kv_position_mode: Optional[str] = None,
         kv_evict_fraction: float = 0.0625,
         kv_head_combine: str = "sum_softmax",
         kv_seed: int = 0,
@@ -163,13 +171,17 @@ class Llama(llama_cpp.Llama):
         self._kvp_owner: Optional[int] = None  # the thread using this instance (see _use)
         self._kvp_depth = 0
         self._kvp_guard = threading.Lock()
+        if kv_position_mode is None:
+            kv_position_mode = "original" if kv_mode == "per_head" else "compact"
         self._kvp_args = dict(
-            kv_policy=kv_policy, kv_budget=kv_budget, kv_sink=kv_sink, kv_recent=kv_recent,
+            kv_policy=kv_policy, kv_mode=kv_mode, kv_budget=kv_budget, kv_sink=kv_sink, kv_recent=kv_recent,
             kv_position_mode=kv_position_mode, kv_evict_fraction=kv_evict_fraction, kv_head_combine=kv_head_combine,
             kv_seed=kv_seed, kv_compact_limit=kv_compact_limit, kv_max_tokens=kv_max_tokens, kv_kernel=kv_kernel,
             kv_threads=kv_threads,
         )
         if kv_policy is None:
+            if kv_mode != "shared":
+                raise ValueError(f"kv_mode={kv_mode!r} needs a kv_policy")
             super().__init__(model_path, **kwargs)
             return
 
@@ -186,6 +198,7 @@ class Llama(llama_cpp.Llama):
             n_sink=-1 if kv_sink is None else int(kv_sink), n_recent=-1 if kv_recent is None else int(kv_recent),
             position_mode=kv_position_mode, evict_fraction=float(kv_evict_fraction), combine=kv_head_combine,
             compact_limit=int(kv_compact_limit), seed=int(kv_seed), kernel=kv_kernel, n_threads=int(kv_threads),
+            per_head=kv_mode == "per_head",
         )
         self._check_kv_cache_fits(int(budget))
         self._recreate_context(engine, int(budget))
@@ -231,6 +244,12 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"kv_budget {budget} must be at least kv_sink + kv_recent + 1 = {sink + recent + 1}")
         if budget > (1 << 24):
             raise ValueError(f"kv_budget {budget} is larger than any KV cache this engine supports (2**24)")
+        if args["kv_mode"] not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {args['kv_mode']!r}")
+        if args["kv_mode"] == "per_head":
+            if args["kv_position_mode"] != "original":
+                raise ValueError("kv_mode='per_head' keeps original positions: kv_position_mode must be 'original'")
+            _llama_lib.require_per_head()  # RuntimeError naming what to do when the patched llama.cpp is not loaded
         if args["kv_position_mode"] not in POSITION_MODES:
             raise ValueError(f"kv_position_mode must be one of {POSITION_MODES}, got {args['kv_position_mode']!r}")
         if args["kv_head_combine"] not in HEAD_COMBINES:

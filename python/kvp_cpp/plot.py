@@ -29,8 +29,13 @@ def load_results(path: str) -> dict:
     return document
 
 
+PER_HEAD_SUFFIX = " (per head)"
+
+
 def short_label(label: str) -> str:
-    """``kvp:models/ruler.kvp.bin`` -> ``kvp:ruler``; other labels unchanged."""
+    """``kvp:models/ruler.kvp.bin`` -> ``kvp:ruler``; other labels unchanged (a per-head series keeps its suffix)."""
+    if label.endswith(PER_HEAD_SUFFIX):
+        return short_label(label[: -len(PER_HEAD_SUFFIX)]) + PER_HEAD_SUFFIX
     if label.startswith("kvp:") or label.endswith(".kvp.bin"):
         name = os.path.basename(label[4:] if label.startswith("kvp:") else label)
         return "kvp:" + (name[: -len(".kvp.bin")] if name.endswith(".kvp.bin") else name)
@@ -113,7 +118,10 @@ def plot(document: dict, out_dir: str, stem: str) -> List[str]:
     """Writes the plots that the results allow; returns their paths."""
     plt = _pyplot()
     attention = _attention_based(document)
-    rows = document["results"]
+    # per-head runs (kvp-bench --kv-modes) are series of their own, styled as their policy
+    rows = [dict(r, policy=r["policy"] + PER_HEAD_SUFFIX) if r.get("kv_mode") == "per_head" else r
+            for r in document["results"]]
+    attention.update({label + PER_HEAD_SUFFIX: based for label, based in list(attention.items())})
     task_rows = [r for r in rows if r["metric"] != PERPLEXITY_METRIC]
     ppl_rows = [r for r in rows if r["metric"] == PERPLEXITY_METRIC]
     os.makedirs(out_dir, exist_ok=True)

@@ -63,6 +63,10 @@ engine
   --sink N, --recent N      protected first / last tokens (default: the policy's, else 4 and 16)
   --combine NAME            per-head score combination: sum_softmax (default), max_softmax, mean, mean_rank
   --evict-fraction F        a full cache sheds at least F x budget at once while decoding (default 0.0625)
+  --kv-modes LIST           shared (one token set for all heads, default), per_head (each layer and KV head keeps
+                            and evicts its own tokens; the patched llama.cpp of python -m kvp_cpp.llama_build, which
+                            the launcher loads), or both: every policy runs in each, side by side. With per_head,
+                            every engine keeps original positions (docs/per_head.md)
   --seed N                  seed of the random policy (default 0)
 
 llama.cpp
@@ -96,6 +100,7 @@ struct Options {
     bool verbose = false;
     bool speed = false;
     std::vector<int64_t> contexts = {2048, 8192};
+    std::vector<std::string> kv_modes = {kSharedMode};
     int64_t decode_tokens = 64;
 };
 
@@ -162,6 +167,15 @@ Options parse_args(int argc, char** argv) {
         else if (flag == "--recent") o.engine.n_recent = parse_int(flag, value(), 1);
         else if (flag == "--combine") o.engine.combine = head_combine_from_name(value());
         else if (flag == "--evict-fraction") o.engine.evict_fraction = parse_fraction(flag, value());
+        else if (flag == "--kv-modes") {
+            o.kv_modes = split_list(value());
+            if (o.kv_modes.empty()) throw UsageError("--kv-modes is empty");
+            for (const std::string& mode : o.kv_modes)
+                if (mode != kSharedMode && mode != kPerHeadMode)
+                    throw UsageError("--kv-modes takes shared and per_head, not '" + mode + "'");
+            if (std::set<std::string>(o.kv_modes.begin(), o.kv_modes.end()).size() != o.kv_modes.size())
+                throw UsageError("--kv-modes lists a mode twice");
+        }
         else if (flag == "--seed") o.engine.seed = uint64_t(parse_int(flag, value(), 0));
         else if (flag == "-t" || flag == "--threads") o.n_threads = int(parse_int(flag, value(), 1));
         else if (flag == "-b" || flag == "--batch-size") o.n_batch = int(parse_int(flag, value(), 1));
@@ -268,6 +282,29 @@ json policies_json(const std::vector<PolicyFactory>& policies) {
     return out;
 }
 
+// Before any work: each budget against each policy, and the patched llama.cpp for per-head mode.
+void check_policies(const std::vector<PolicyFactory>& policies, const Options& o) {
+    const bool per_head = std::find(o.kv_modes.begin(), o.kv_modes.end(), kPerHeadMode) != o.kv_modes.end();
+    for (const PolicyFactory& policy : policies) {
+        if (policy.is_full()) continue;
+        const bool runs = std::any_of(o.kv_modes.begin(), o.kv_modes.end(), [&](const std::string& mode) {
+            return runs_in_mode(policy, mode, o.kv_modes);
+        });
+        if (!runs)
+            throw std::invalid_argument(display_label(policy.label()) + " scores per layer, not per KV head: it cannot "
+                                        "evict per head (run it with --kv-modes shared)");
+        if (per_head && !runs_in_mode(policy, kPerHeadMode, o.kv_modes))
+            std::fprintf(stderr, "[kvp-bench] %s runs shared only: %s\n", display_label(policy.label()).c_str(),
+                         policy.scores_per_token() ? "one score per token evicts the same tokens in every head"
+                                                   : "it scores per layer, not per KV head");
+        for (int64_t budget : o.budgets) policy.make_engine(budget, per_head);
+    }
+    if (per_head && !per_head_available())
+        throw std::invalid_argument("--kv-modes per_head needs the patched llama.cpp, and this process loaded the stock "
+                                    "one: build it once with python -m kvp_cpp.llama_build, then run kvp-bench through "
+                                    "its launcher (which loads it)");
+}
+
 json run_json(double wall_seconds) {
     return {{"wall_seconds", wall_seconds}, {"peak_rss_bytes", peak_rss_bytes()}};
 }
@@ -279,11 +316,10 @@ int run_speed_benchmark(const Options& o) {
     Model model(o.model_path);
     std::vector<PolicyFactory> policies;
     for (const std::string& label : o.policies) policies.emplace_back(label, model.get(), o.engine);
-    for (const PolicyFactory& policy : policies)
-        if (!policy.is_full())
-            for (int64_t budget : o.budgets) policy.make_engine(budget);  // checks each budget against the policy
+    check_policies(policies, o);
 
     SpeedConfig config;
+    config.kv_modes = o.kv_modes;
     config.contexts = o.contexts;
     config.decode_tokens = o.decode_tokens;
     config.context.n_batch = o.n_batch;
@@ -311,7 +347,8 @@ int run_speed_benchmark(const Options& o) {
         {"config", {{"policies", policies_json(policies)}, {"budgets", o.budgets}, {"contexts", o.contexts},
                     {"decode_tokens", o.decode_tokens}, {"tokens", o.text_path.empty() ? "random" : o.text_path},
                     {"threads", o.n_threads}, {"batch_size", o.n_batch}, {"flash_attn", o.flash_attn},
-                    {"combine", head_combine_name(o.engine.combine)}, {"evict_fraction", o.engine.evict_fraction}}},
+                    {"combine", head_combine_name(o.engine.combine)}, {"evict_fraction", o.engine.evict_fraction},
+                    {"kv_modes", o.kv_modes}}},
         {"run", run_json(wall)},
         {"files", {{"csv", csv_path}}},
         {"speed", rows}};
@@ -338,9 +375,8 @@ int run_benchmark(const Options& o) {
     config.variants = o.variants;
     config.budgets = o.budgets;
     for (const std::string& label : o.policies) config.policies.emplace_back(label, model.get(), o.engine);
-    for (const PolicyFactory& policy : config.policies)
-        if (!policy.is_full())
-            for (int64_t budget : config.budgets) policy.make_engine(budget);  // checks each budget against the policy
+    config.kv_modes = o.kv_modes;
+    check_policies(config.policies, o);
 
     const bool tasks_mode = !o.tasks_path.empty();
     const std::vector<Sample> samples =
@@ -390,6 +426,7 @@ int run_benchmark(const Options& o) {
                         {"seed", o.engine.seed},
                         {"combine", head_combine_name(o.engine.combine)},
                         {"evict_fraction", o.engine.evict_fraction},
+                        {"kv_modes", o.kv_modes},
                         {"threads", o.n_threads},
                         {"batch_size", o.n_batch},
                         {"flash_attn", o.flash_attn}};

@@ -4,6 +4,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "results.h"
+
 namespace kvp::bench {
 
 namespace {
@@ -54,10 +56,17 @@ PolicyFactory::PolicyFactory(const std::string& label, const llama_model* model,
     policy_name_ = probe->name();
     attention_based_ = !probe->query_layers().empty();
     captures_kv_ = !probe->capture_layers().empty();
+    scores_per_head_ = probe->n_score_columns() == int(identity_.n_layer * identity_.n_head_kv);
+    scores_per_token_ = probe->n_score_columns() == 1;
     if (options.n_sink > int64_t(UINT32_MAX) || options.n_recent > int64_t(UINT32_MAX))
         throw std::invalid_argument("--sink/--recent too large");
     protection_ = {options.n_sink < 0 ? probe->default_sink() : uint32_t(options.n_sink),
                    options.n_recent < 0 ? probe->default_recent() : uint32_t(options.n_recent)};
+}
+
+bool runs_in_mode(const PolicyFactory& policy, const std::string& mode, const std::vector<std::string>& modes) {
+    if (mode == kSharedMode || policy.scores_per_head()) return true;
+    return policy.scores_per_token() && std::find(modes.begin(), modes.end(), kSharedMode) == modes.end();
 }
 
 std::unique_ptr<EvictionPolicy> PolicyFactory::make_policy() const {
@@ -66,9 +75,11 @@ std::unique_ptr<EvictionPolicy> PolicyFactory::make_policy() const {
     return kvp::make_policy(source_, identity_, options);
 }
 
-std::unique_ptr<Engine> PolicyFactory::make_engine(int64_t budget) const {
+std::unique_ptr<Engine> PolicyFactory::make_engine(int64_t budget, bool per_head, bool original_positions) const {
     if (is_full()) throw std::logic_error("the full cache has no engine");
     EngineConfig config;
+    config.per_head = per_head;
+    if (per_head || original_positions) config.position_mode = PositionMode::original;
     config.budget = budget;
     config.protection = protection_;
     config.combine = options_.combine;

@@ -32,11 +32,18 @@ public:
     const std::string& policy_name() const { return policy_name_; }  // the policy's own name(); "full" for full
     bool attention_based() const { return attention_based_; }        // scores from observed queries
     bool captures_kv() const { return captures_kv_; }
+    // Per-head mode ranks each (layer, KV head) by its own score column. A policy with one score per token evicts
+    // the same tokens in every head (per-head mode changes nothing for it); one scoring per layer (tova) cannot
+    // run per head.
+    bool scores_per_head() const { return scores_per_head_; }
+    bool scores_per_token() const { return scores_per_token_; }
     Protection protection() const { return protection_; }
     int64_t min_budget() const { return int64_t(protection_.n_sink) + protection_.n_recent + 1; }
 
-    // A fresh engine for this policy (not for `full`), not yet attached.
-    std::unique_ptr<Engine> make_engine(int64_t budget) const;
+    // A fresh engine for this policy (not for `full`), not yet attached. per_head: each (layer, KV head) evicts its
+    // own tokens (needs the patched llama.cpp); original_positions: no position compaction (per-head mode needs it,
+    // and llama.cpp cannot shift positions in a context where per-head mode is on).
+    std::unique_ptr<Engine> make_engine(int64_t budget, bool per_head = false, bool original_positions = false) const;
 
 private:
     std::unique_ptr<EvictionPolicy> make_policy() const;
@@ -47,8 +54,13 @@ private:
     EngineOptions options_;
     std::shared_ptr<const Policy> file_;  // for learned policies: loaded once, shared by every engine
     Protection protection_;
-    bool attention_based_ = false, captures_kv_ = false;
+    bool attention_based_ = false, captures_kv_ = false, scores_per_head_ = false, scores_per_token_ = false;
 };
+
+// Whether `policy` runs in kv mode `mode` of a run over `modes`: shared always; per-head for policies that score
+// per (layer, KV head), and for one-score-per-token policies only when shared mode is not in the run (per head,
+// they evict exactly what they evict shared).
+bool runs_in_mode(const PolicyFactory& policy, const std::string& mode, const std::vector<std::string>& modes);
 
 // Comma-separated labels; empty items are skipped.
 std::vector<std::string> split_list(const std::string& text);

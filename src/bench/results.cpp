@@ -78,13 +78,13 @@ double round_to_cents(double value) {
 std::string RecordKey::str() const {
     const char sep = '\x1f';
     return model + sep + protocol + sep + variant + sep + task + sep + std::to_string(length) + sep +
-           std::to_string(index) + sep + policy + sep + std::to_string(budget);
+           std::to_string(index) + sep + policy + sep + std::to_string(budget) + sep + kv_mode;
 }
 
 RecordKey RecordKey::of(const json& r) {
     return {r.at("model").get<std::string>(),  r.at("protocol").get<std::string>(), r.at("variant").get<std::string>(),
             r.at("task").get<std::string>(),   r.at("length").get<int64_t>(),      r.at("index").get<int64_t>(),
-            r.at("policy").get<std::string>(), budget_of(r.at("budget"))};
+            r.at("policy").get<std::string>(), budget_of(r.at("budget")),  r.value("kv_mode", std::string(kSharedMode))};
 }
 
 void RecordKey::write_to(json& r) const {
@@ -95,6 +95,7 @@ void RecordKey::write_to(json& r) const {
     r["length"] = length;
     r["index"] = index;
     r["policy"] = policy;
+    r["kv_mode"] = kv_mode;
     r["budget"] = budget_json(budget);
 }
 
@@ -130,6 +131,7 @@ void ResultLog::append(const json& record) {
 
 void to_json(json& j, const ResultRow& row) {
     j = json{{"policy", row.policy},
+             {"kv_mode", row.kv_mode},
              {"budget", budget_json(row.budget)},
              {"task", row.task},
              {"length", row.length},
@@ -152,12 +154,12 @@ std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const 
     auto rank = [](const std::vector<std::string>& order, const std::string& name) {
         return std::find(order.begin(), order.end(), name) - order.begin();
     };
-    using GroupKey = std::tuple<std::ptrdiff_t, std::ptrdiff_t, int64_t, std::ptrdiff_t, int64_t>;
+    using GroupKey = std::tuple<std::ptrdiff_t, std::ptrdiff_t, bool, int64_t, std::ptrdiff_t, int64_t>;
     std::map<GroupKey, std::vector<const json*>> groups;
     for (const json* r : records) {
         const RecordKey key = RecordKey::of(*r);
-        groups[{rank(variant_order, key.variant), rank(policy_order, key.policy), key.budget, rank(task_order, key.task),
-                key.length}]
+        groups[{rank(variant_order, key.variant), rank(policy_order, key.policy), key.kv_mode != kSharedMode,
+                key.budget, rank(task_order, key.task), key.length}]
             .push_back(r);
     }
 
@@ -167,6 +169,7 @@ std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const 
         const RecordKey key = RecordKey::of(first);
         ResultRow row;
         row.policy = key.policy;
+        row.kv_mode = key.kv_mode;
         row.budget = key.budget;
         row.task = key.task;
         row.length = key.length;
@@ -196,14 +199,15 @@ std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const 
 
 void print_table(std::ostream& out, const std::vector<ResultRow>& rows) {
     struct Line {
-        std::string variant, policy, budget, task, length, score, n;
+        std::string variant, policy, kv_mode, budget, task, length, score, n;
     };
     auto score_text = [](const std::string& metric, double score, double stderr_) {
         const int decimals = is_percent_metric(metric) ? 2 : 4;
         return format_fixed(score, decimals) + " ± " + format_fixed(stderr_, decimals);
     };
     auto line_of = [&](const ResultRow& r, const std::string& task, double score, double stderr_, int64_t n) {
-        return Line{r.variant, display_label(r.policy), r.budget == kUnbounded ? "-" : std::to_string(r.budget), task,
+        return Line{r.variant, display_label(r.policy), r.kv_mode,
+                    r.budget == kUnbounded ? "-" : std::to_string(r.budget), task,
                     std::to_string(r.length), score_text(r.metric, score, stderr_), std::to_string(n)};
     };
 
@@ -214,7 +218,7 @@ void print_table(std::ostream& out, const std::vector<ResultRow>& rows) {
         // rows of one (variant, policy, budget) are contiguous; a mean over tasks per length follows them
         size_t j = i;
         while (j < rows.size() && rows[j].variant == rows[i].variant && rows[j].policy == rows[i].policy &&
-               rows[j].budget == rows[i].budget)
+               rows[j].kv_mode == rows[i].kv_mode && rows[j].budget == rows[i].budget)
             ++j;
         std::map<int64_t, std::vector<const ResultRow*>> by_length;
         for (size_t k = i; k < j; ++k) {
@@ -236,10 +240,20 @@ void print_table(std::ostream& out, const std::vector<ResultRow>& rows) {
         i = j;
     }
 
+    const bool any_per_head =
+        std::any_of(rows.begin(), rows.end(), [](const ResultRow& r) { return r.kv_mode != kSharedMode; });
     std::vector<std::vector<std::string>> cells;
-    for (const Line& l : lines) cells.push_back({l.variant, l.policy, l.budget, l.task, l.length, l.score, l.n});
-    print_markdown_table(out, {"variant", "policy", "budget", "task", "length", "score ± stderr", "n"},
-                         {false, false, true, false, true, true, true}, cells);
+    for (const Line& l : lines) {
+        cells.push_back({l.variant, l.policy, l.budget, l.task, l.length, l.score, l.n});
+        if (any_per_head) cells.back().insert(cells.back().begin() + 2, l.kv_mode);
+    }
+    std::vector<std::string> header = {"variant", "policy", "budget", "task", "length", "score ± stderr", "n"};
+    std::vector<bool> right = {false, false, true, false, true, true, true};
+    if (any_per_head) {
+        header.insert(header.begin() + 2, "kv mode");
+        right.insert(right.begin() + 2, false);
+    }
+    print_markdown_table(out, header, right, cells);
 }
 
 void print_markdown_table(std::ostream& out, const std::vector<std::string>& header, const std::vector<bool>& right,

@@ -16,6 +16,8 @@ using json = nlohmann::ordered_json;  // keeps the field order of records and ro
 
 constexpr int64_t kUnbounded = 0;  // the budget of the `full` reference (null in JSON, empty in CSV)
 constexpr const char* kSchema = "kvp-bench/1";
+constexpr const char* kSharedMode = "shared";    // one token set for every head (stock llama.cpp)
+constexpr const char* kPerHeadMode = "per_head"; // each (layer, KV head) evicts its own (the patched llama.cpp)
 
 // What a per-sample record is keyed by, besides the sample itself: a rerun with the same -o skips the records
 // whose key it finds. Other settings (threads, sink/recent, ...) are not part of the key: use another -o.
@@ -24,6 +26,7 @@ struct RecordKey {
     int64_t length = 0, index = 0;
     std::string policy;
     int64_t budget = kUnbounded;
+    std::string kv_mode = kSharedMode;  // absent from logs written before per-head mode: shared
 
     std::string str() const;
     static RecordKey of(const json& record);
@@ -52,6 +55,7 @@ private:
 // One (policy, budget, task, length) cell of the sweep, aggregated over samples.
 struct ResultRow {
     std::string policy;
+    std::string kv_mode = kSharedMode;
     int64_t budget = kUnbounded;
     std::string task;
     int64_t length = 0;
@@ -66,12 +70,14 @@ struct ResultRow {
 
 void to_json(json& j, const ResultRow& row);
 
-// Rows for the given records, ordered by variant, policy, budget, task (each name as in its order), length.
+// Rows for the given records, ordered by variant, policy, kv mode (shared first), budget, task (each name as in its
+// order), length.
 std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const std::vector<std::string>& variant_order,
                                  const std::vector<std::string>& policy_order, const std::vector<std::string>& task_order);
 
 // A llama-bench-style markdown table: variant, policy, budget, task, length, score ± stderr, n; with a `mean` row
-// per (variant, policy, budget, length) over the tasks when there are several.
+// per (variant, policy, budget, length) over the tasks when there are several. A `kv mode` column follows the
+// policy when any row is per-head.
 void print_table(std::ostream& out, const std::vector<ResultRow>& rows);
 
 void write_csv(const std::string& path, const std::vector<ResultRow>& rows);

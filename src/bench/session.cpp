@@ -168,7 +168,7 @@ int64_t Session::cells_in_use() {
 SequenceWriter::SequenceWriter(Session& session, std::vector<Engine*> engines, int64_t next_pos)
     : session_(session), engines_(std::move(engines)), next_pos_(next_pos) {
     session_.listen(engines_);
-    max_cells_ = engines_.empty() ? next_pos_ : int64_t(engines_.front()->ledger().size());
+    max_cells_ = engines_.empty() ? next_pos_ : engines_.front()->stats().cells_used;
 }
 
 SequenceWriter::~SequenceWriter() { session_.listen({}); }
@@ -201,7 +201,7 @@ void SequenceWriter::feed(std::span<const llama_token> tokens, size_t logits_fro
         next_pos_ += n;
         decoded_tokens_ += n;
         start += size_t(n);
-        max_cells_ = std::max(max_cells_, engines_.empty() ? next_pos_ : int64_t(engines_.front()->ledger().size()));
+        max_cells_ = std::max(max_cells_, engines_.empty() ? next_pos_ : engines_.front()->stats().cells_used);
     }
 }
 
@@ -218,6 +218,9 @@ std::string SequenceWriter::kept_digest() const {
     } else {
         const Ledger& ledger = engines_.front()->ledger();
         for (size_t i = 0; i < ledger.size(); ++i) mix(ledger.logical(i));
+        // per-head mode: which heads hold each token (a shared engine's digest is unchanged)
+        for (size_t i = 0; i < ledger.size(); ++i)
+            for (int h = 0; h < ledger.n_holders(); ++h) mix(ledger.held(i, h));
     }
     char text[17];
     std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(hash));

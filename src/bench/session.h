@@ -115,7 +115,8 @@ public:
     int64_t decoded_tokens() const { return decoded_tokens_; }
     int64_t max_cells() const { return max_cells_; }  // most cells the sequence held after any batch
     // FNV-1a of the logical indices of the tokens the cache holds now, as 16 hex digits: two results with the
-    // same digest kept the same tokens (runs can be compared for identical eviction decisions).
+    // same digest kept the same tokens (runs can be compared for identical eviction decisions); in per-head mode
+    // also which heads hold each.
     std::string kept_digest() const;
 
 private:

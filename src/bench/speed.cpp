@@ -79,6 +79,7 @@ int64_t current_rss_bytes() {
 
 void to_json(json& j, const SpeedRow& row) {
     j = json{{"policy", row.policy},
+             {"kv_mode", row.kv_mode},
              {"budget", row.budget == kUnbounded ? json(nullptr) : json(row.budget)},
              {"context", row.context},
              {"status", row.status},
@@ -86,6 +87,8 @@ void to_json(json& j, const SpeedRow& row) {
              {"decode_ms_per_token", row.decode_ms_per_token},
              {"prefill_vs_full", row.prefill_vs_full},
              {"decode_vs_full", row.decode_vs_full},
+             {"prefill_vs_shared", row.prefill_vs_shared},
+             {"decode_vs_shared", row.decode_vs_shared},
              {"copy_ms_per_token", row.copy_ms_per_token},
              {"score_ms_per_token", row.score_ms_per_token},
              {"evict_ms_per_token", row.evict_ms_per_token},
@@ -106,8 +109,12 @@ std::vector<std::string> speed_csv_columns() {
 std::vector<SpeedRow> run_speed(Model& model, const std::vector<PolicyFactory>& policies,
                                 const std::vector<int64_t>& budgets, const SpeedConfig& config) {
     const int64_t memory_limit = int64_t(double(physical_memory_bytes()) * config.max_memory_fraction);
+    const bool per_head_runs =
+        std::find(config.kv_modes.begin(), config.kv_modes.end(), kPerHeadMode) != config.kv_modes.end();
     int64_t cases = 0;
-    for (const PolicyFactory& policy : policies) cases += policy.is_full() ? 1 : int64_t(budgets.size());
+    for (const PolicyFactory& policy : policies)
+        for (const std::string& mode : policy.is_full() ? std::vector<std::string>{kSharedMode} : config.kv_modes)
+            cases += runs_in_mode(policy, mode, config.kv_modes) ? (policy.is_full() ? 1 : int64_t(budgets.size())) : 0;
     Progress progress(cases * int64_t(config.contexts.size()));
 
     {  // warm-up: page in the weights and let the CPU settle before the first measured case
@@ -132,9 +139,12 @@ std::vector<SpeedRow> run_speed(Model& model, const std::vector<PolicyFactory>& 
 
         for (const PolicyFactory* policy : order) {
             const std::vector<int64_t> case_budgets = policy->is_full() ? std::vector<int64_t>{kUnbounded} : budgets;
-            for (int64_t budget : case_budgets) {
+            for (int64_t budget : case_budgets)
+            for (const std::string& mode : policy->is_full() ? std::vector<std::string>{kSharedMode} : config.kv_modes) {
+                if (!runs_in_mode(*policy, mode, config.kv_modes)) continue;
                 SpeedRow row;
                 row.policy = policy->label();
+                row.kv_mode = mode;
                 row.budget = budget;
                 row.context = context;
                 ContextOptions options = config.context;
@@ -147,7 +157,8 @@ std::vector<SpeedRow> run_speed(Model& model, const std::vector<PolicyFactory>& 
                     progress.done(display_label(row.policy) + " @ " + std::to_string(context) + " (skipped)");
                     continue;
                 }
-                std::unique_ptr<Engine> engine = policy->is_full() ? nullptr : policy->make_engine(budget);
+                std::unique_ptr<Engine> engine =
+                    policy->is_full() ? nullptr : policy->make_engine(budget, mode == kPerHeadMode, per_head_runs);
                 options.eval_callback = engine && engine->needs_callback();
                 Session session(model, options);
                 row.n_ctx = session.n_ctx();
@@ -168,7 +179,20 @@ std::vector<SpeedRow> run_speed(Model& model, const std::vector<PolicyFactory>& 
                 row.rss_bytes = current_rss_bytes();
                 rows.push_back(row);
                 const std::string at = budget == kUnbounded ? "" : "@" + std::to_string(budget);
-                progress.done(display_label(row.policy) + at + " @ " + std::to_string(context) + " tokens");
+                progress.done(display_label(row.policy) + at + (mode == kPerHeadMode ? " per-head" : "") + " @ " +
+                              std::to_string(context) + " tokens");
+            }
+        }
+        for (size_t i = first_of_context; i < rows.size(); ++i) {
+            SpeedRow& row = rows[i];
+            if (row.kv_mode != kPerHeadMode || row.status != "ok") continue;
+            for (size_t j = first_of_context; j < rows.size(); ++j) {
+                const SpeedRow& shared = rows[j];
+                if (shared.kv_mode != kSharedMode || shared.policy != row.policy || shared.budget != row.budget ||
+                    shared.status != "ok")
+                    continue;
+                row.prefill_vs_shared = row.prefill_tokens_per_second / shared.prefill_tokens_per_second;
+                row.decode_vs_shared = shared.decode_ms_per_token / row.decode_ms_per_token;
             }
         }
         for (size_t i = first_of_context; i < rows.size(); ++i)
@@ -185,6 +209,8 @@ std::vector<SpeedRow> run_speed(Model& model, const std::vector<PolicyFactory>& 
 }
 
 void print_speed_table(std::ostream& out, const std::vector<SpeedRow>& rows) {
+    const bool any_per_head =
+        std::any_of(rows.begin(), rows.end(), [](const SpeedRow& r) { return r.kv_mode == kPerHeadMode; });
     std::vector<std::vector<std::string>> cells;
     for (const SpeedRow& r : rows) {
         const bool ok = r.status == "ok";
@@ -198,11 +224,26 @@ void print_speed_table(std::ostream& out, const std::vector<SpeedRow>& rows) {
                          ok ? format_number(r.evict_ms_per_token, 4) : "-",
                          format_number(double(r.kv_bytes) / double(1 << 20), 1),
                          ok ? format_number(double(r.rss_bytes) / double(1 << 20), 0) : "-"});
+        if (any_per_head) {
+            const bool has_shared = r.prefill_vs_shared > 0;
+            std::vector<std::string>& line = cells.back();
+            line.insert(line.begin() + 1, r.kv_mode);
+            line.insert(line.begin() + 8, has_shared ? format_number(r.decode_vs_shared, 3) : "-");
+            line.insert(line.begin() + 6, has_shared ? format_number(r.prefill_vs_shared, 3) : "-");
+        }
     }
-    print_markdown_table(out,
-                         {"policy", "budget", "context", "prefill t/s", "prefill vs full", "decode ms/t",
-                          "decode vs full", "capture+score ms/t", "evict ms/t", "KV MiB", "RSS MiB"},
-                         {false, true, true, true, true, true, true, true, true, true, true}, cells);
+    std::vector<std::string> header = {"policy", "budget", "context", "prefill t/s", "prefill vs full", "decode ms/t",
+                                       "decode vs full", "capture+score ms/t", "evict ms/t", "KV MiB", "RSS MiB"};
+    std::vector<bool> right(header.size(), true);
+    right[0] = false;
+    if (any_per_head) {
+        header.insert(header.begin() + 1, "kv mode");
+        header.insert(header.begin() + 8, "decode vs shared");
+        header.insert(header.begin() + 6, "prefill vs shared");
+        right.insert(right.begin() + 1, false);
+        right.insert(right.end(), 2, true);  // the two ratio columns, numbers like the rest
+    }
+    print_markdown_table(out, header, right, cells);
 }
 
 }  // namespace kvp::bench

@@ -18,6 +18,7 @@ struct Job {
     const PolicyFactory* policy;
     int64_t budget;  // kUnbounded for full
     const std::string* variant;
+    bool per_head = false;
     bool excludes_question() const { return *variant == kQuestionExcluded; }
 };
 
@@ -25,22 +26,39 @@ std::vector<Job> all_jobs(const SweepConfig& config) {
     std::vector<Job> jobs;
     for (const std::string& variant : config.variants)
         for (const PolicyFactory& policy : config.policies) {
-            if (policy.is_full()) jobs.push_back({&policy, kUnbounded, &variant});
-            else
-                for (int64_t budget : config.budgets) jobs.push_back({&policy, budget, &variant});
+            if (policy.is_full()) {
+                jobs.push_back({&policy, kUnbounded, &variant});  // no eviction: the same in every mode
+                continue;
+            }
+            for (const std::string& mode : config.kv_modes)
+                if (runs_in_mode(policy, mode, config.kv_modes))
+                    for (int64_t budget : config.budgets)
+                        jobs.push_back({&policy, budget, &variant, mode == kPerHeadMode});
         }
     return jobs;
 }
 
+bool runs_per_head(const SweepConfig& config) {
+    return std::find(config.kv_modes.begin(), config.kv_modes.end(), kPerHeadMode) != config.kv_modes.end();
+}
+
+// With per-head jobs in the run, shared engines keep original positions too: they share the llama_context, and
+// llama.cpp cannot shift positions once per-head mode is on (compaction would only start near the model's training
+// context anyway).
+std::unique_ptr<Engine> engine_for(const SweepConfig& config, const Job& job, int64_t budget) {
+    return job.policy->make_engine(budget, job.per_head, runs_per_head(config));
+}
+
 RecordKey key_of(const SweepConfig& config, const Sample& sample, const Job& job) {
     return {config.model_name, protocol_name(config.protocol), *job.variant, sample.task, sample.length,
-            sample.index, job.policy->label(), job.budget};
+            sample.index, job.policy->label(), job.budget, job.per_head ? kPerHeadMode : kSharedMode};
 }
 
 std::string job_name(const SweepConfig& config, const Sample& sample, const Job& job) {
     std::string name = sample.task;
     name.append(" #").append(std::to_string(sample.index)).append(" ").append(display_label(job.policy->label()));
     if (job.budget != kUnbounded) name.append("@").append(std::to_string(job.budget));
+    if (job.per_head) name.append(" per-head");
     if (config.variants.size() > 1) name.append(job.excludes_question() ? " (q excl)" : " (q incl)");
     return name;
 }
@@ -69,7 +87,7 @@ public:
         std::vector<std::unique_ptr<Engine>> engines(jobs.size());
         for (size_t i = 0; i < jobs.size(); ++i) {
             if (jobs[i].policy->is_full()) continue;
-            engines[i] = jobs[i].policy->make_engine(std::max<int64_t>(int64_t(held_back), jobs[i].policy->min_budget()));
+            engines[i] = engine_for(config_, jobs[i], std::max<int64_t>(int64_t(held_back), jobs[i].policy->min_budget()));
             engines[i]->attach(session_.context());
         }
         auto following = [&](const std::vector<size_t>& which) {
@@ -102,7 +120,7 @@ public:
             if (job.policy->is_full()) {
                 session_.clear_sequence();
             } else {
-                engine = job.policy->make_engine(job.budget);
+                engine = engine_for(config_, job, job.budget);
                 engine->attach(session_.context());  // clears the sequence
             }
             SequenceWriter writer(session_, engine ? std::vector<Engine*>{engine.get()} : std::vector<Engine*>{}, 0);

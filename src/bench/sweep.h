@@ -70,6 +70,7 @@ struct SweepConfig {
     std::vector<std::string> variants;  // oneshot: kQuestionIncluded / kQuestionExcluded; else one name
     std::vector<PolicyFactory> policies;
     std::vector<int64_t> budgets;  // ascending; `full` ignores them
+    std::vector<std::string> kv_modes = {kSharedMode};  // kSharedMode / kPerHeadMode: every policy runs in each
 };
 
 struct SweepCounters {

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include <dlfcn.h>
+
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "llama.h"
@@ -46,7 +48,18 @@ int parse_layer_suffix(const char* digits) {
     return layer;
 }
 
+// A function of the patched llama.cpp (per-head KV eviction), looked up in the libllama this process loaded;
+// null with the stock library. The extension links libllama by SONAME, so that is the copy llama_cpp loaded.
+void* kvp_symbol(const char* name) {
+    void* lib = dlopen("libllama.so.0", RTLD_LAZY | RTLD_NOLOAD);
+    void* fn = lib ? dlsym(lib, name) : nullptr;
+    if (lib) dlclose(lib);  // only drops the reference NOLOAD took
+    return fn;
+}
+
 }  // namespace
+
+bool per_head_available() { return kvp_symbol("llama_kvp_evict") != nullptr; }
 
 PositionMode position_mode_from_name(const std::string& name) {
     if (name == "original") return PositionMode::original;
@@ -93,6 +106,8 @@ Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy,
                                     std::to_string(min_budget) + window_note);
     if (!(config_.evict_fraction >= 0.0 && config_.evict_fraction <= 1.0))
         throw std::invalid_argument("kv_evict_fraction must be in [0, 1]");
+    if (config_.per_head && config_.position_mode != PositionMode::original)
+        throw std::invalid_argument("kv_mode='per_head' keeps original positions: use kv_position_mode='original'");
     if (config_.compact_limit <= 0) config_.compact_limit = identity_.n_ctx_train;
     if (config_.evicting_chunk <= 0) config_.evicting_chunk = std::max<int64_t>(1, config_.budget / 4);
     if (config_.position_mode == PositionMode::compact && config_.budget > config_.compact_limit)
@@ -133,8 +148,32 @@ void Engine::attach(llama_context* ctx) {
                                     std::to_string(config_.budget));
     if (config_.position_mode == PositionMode::compact && !llama_memory_can_shift(llama_get_memory(ctx)))
         throw std::invalid_argument("this model's KV cache cannot shift positions; use kv_position_mode='original'");
+    int n_heads = 0;
+    if (config_.per_head) {
+        auto enable = reinterpret_cast<int32_t (*)(llama_context*)>(kvp_symbol("llama_kvp_enable"));
+        auto n_layer = reinterpret_cast<int32_t (*)(const llama_context*)>(kvp_symbol("llama_kvp_n_layer"));
+        auto n_head_kv = reinterpret_cast<int32_t (*)(const llama_context*)>(kvp_symbol("llama_kvp_n_head_kv"));
+        kvp_evict_ = reinterpret_cast<int32_t (*)(llama_context*, int32_t, const int32_t*)>(kvp_symbol("llama_kvp_evict"));
+        if (!enable || !n_layer || !n_head_kv || !kvp_evict_)
+            throw std::runtime_error("kv_mode='per_head' needs the patched llama.cpp (llama_kvp_*), and this process "
+                                     "loaded the stock one");
+        if (enable(ctx) != 0)
+            throw std::invalid_argument("this model's KV cache cannot evict per head (one sequence, no sliding "
+                                        "window, ALiBi or M-RoPE); see llama.cpp's log");
+        n_heads = n_layer(ctx) * n_head_kv(ctx);
+        const int n_columns = ledger_.n_columns();
+        if (n_columns != 1 && (n_columns != n_heads || n_layer(ctx) != int(identity_.n_layer)))
+            throw std::invalid_argument("kv_mode='per_head' needs a policy with one score per (layer, KV head) of "
+                                        "every layer (" + std::to_string(n_heads) + ") or one per token; this one has " +
+                                        std::to_string(n_columns));
+    }
     ctx_ = ctx;
     reset();
+    ledger_.set_holders(n_heads);
+}
+
+int64_t Engine::cells_used() const {
+    return int64_t(ledger_.n_holders() ? ledger_.held_count(0, 0, ledger_.size()) : ledger_.size());
 }
 
 int64_t Engine::max_batch() const {
@@ -143,7 +182,7 @@ int64_t Engine::max_batch() const {
 
 int64_t Engine::next_batch_size(int64_t remaining, int64_t n_batch) const {
     const int64_t natural = std::min(std::max<int64_t>(n_batch, 1), remaining);
-    if (int64_t(ledger_.size()) + natural <= config_.budget) return natural;
+    if (cells_used() + natural <= config_.budget) return natural;
     return std::min({natural, config_.evicting_chunk, max_batch()});
 }
 
@@ -244,12 +283,14 @@ int64_t Engine::begin_batch(int n) {
     if (n <= 0 || n > config_.budget)
         throw std::invalid_argument("a batch must hold 1.." + std::to_string(config_.budget) + " tokens, got " + std::to_string(n));
 
-    const size_t used = ledger_.size();
+    const size_t used = size_t(cells_used());
     if (int64_t(used) + n > config_.budget) {
         const size_t need = used + n - size_t(config_.budget);
+        const size_t entries = ledger_.size();
         const size_t first_candidate = ledger_.lower_bound(config_.protection.n_sink);
-        const size_t end_candidate = used > config_.protection.n_recent ? used - config_.protection.n_recent : 0;
-        const size_t n_candidates = end_candidate > first_candidate ? end_candidate - first_candidate : 0;
+        const size_t end_candidate = entries > config_.protection.n_recent ? entries - config_.protection.n_recent : 0;
+        // per-head mode: every head holds the same number of candidates (sinks and recent tokens are in all)
+        const size_t n_candidates = ledger_.held_count(0, first_candidate, end_candidate);
         if (need > n_candidates)
             throw std::invalid_argument("a batch of " + std::to_string(n) + " tokens needs " + std::to_string(need) +
                                         " cells but only " + std::to_string(n_candidates) +
@@ -320,6 +361,7 @@ void Engine::remove_cells(const std::vector<int64_t>& sorted_positions) {
 }
 
 void Engine::evict(size_t n_evict) {
+    if (ledger_.n_holders()) return evict_per_head(n_evict);
     const auto start = Clock::now();
     policy_->refresh_scores(ledger_);
     const std::vector<size_t> victims = select_victims(ledger_, config_.protection, n_evict, config_.combine);
@@ -334,6 +376,33 @@ void Engine::evict(size_t n_evict) {
     ledger_.remove(victims);
     policy_->forget(logical);
     stats_.tokens_evicted += int64_t(victims.size());
+    ++stats_.eviction_rounds;
+    stats_.evict_seconds += seconds_since(start);
+}
+
+void Engine::evict_per_head(size_t n_evict) {
+    const auto start = Clock::now();
+    policy_->refresh_scores(ledger_);
+    const std::vector<std::vector<size_t>> victims = select_victims_per_head(ledger_, config_.protection, n_evict);
+    std::vector<int32_t> positions;
+    positions.reserve(victims.size() * n_evict);
+    for (const auto& head : victims)
+        for (size_t i : head) positions.push_back(int32_t(ledger_.cache_pos(i)));
+    const int32_t rc = kvp_evict_(ctx_, int32_t(n_evict), positions.data());
+    if (rc != 0) throw std::runtime_error("llama_kvp_evict failed (" + std::to_string(rc) + "); see llama.cpp's log");
+    for (size_t h = 0; h < victims.size(); ++h)
+        for (size_t i : victims[h]) ledger_.release(i, int(h));
+    // entries no head holds any more leave the ledger
+    std::vector<size_t> gone;
+    std::vector<int64_t> logical;
+    for (size_t i = 0; i < ledger_.size(); ++i)
+        if (!ledger_.held_by_any(i)) {
+            gone.push_back(i);
+            logical.push_back(ledger_.logical(i));
+        }
+    ledger_.remove(gone);
+    policy_->forget(logical);
+    stats_.tokens_evicted += int64_t(n_evict);  // per head
     ++stats_.eviction_rounds;
     stats_.evict_seconds += seconds_since(start);
 }
@@ -366,11 +435,13 @@ void Engine::forget_entries(size_t first, size_t last) {
 
 void Engine::discard_from(size_t ledger_index) {
     if (ledger_index >= ledger_.size()) return;
-    forget_entries(ledger_index, ledger_.size());
     if (ctx_) {
-        llama_memory_seq_rm(llama_get_memory(ctx_), config_.seq_id, llama_pos(ledger_.cache_pos(ledger_index)), -1);
+        if (!llama_memory_seq_rm(llama_get_memory(ctx_), config_.seq_id, llama_pos(ledger_.cache_pos(ledger_index)), -1))
+            throw std::runtime_error("llama.cpp refused to remove the cells from position " +
+                                     std::to_string(ledger_.cache_pos(ledger_index)) + " on");
         ++stats_.seq_rm_calls;
     }
+    forget_entries(ledger_index, ledger_.size());
     ledger_.truncate(ledger_index);
 }
 
@@ -378,7 +449,7 @@ int64_t Engine::compress(int64_t budget) {
     require_attached();
     if (in_batch_) throw std::logic_error("compress during a batch");
     check_budget(budget, "compress to");
-    const int64_t excess = int64_t(ledger_.size()) - budget;
+    const int64_t excess = cells_used() - budget;
     if (excess > 0) evict(size_t(excess));
     set_budget(budget);
     return std::max<int64_t>(excess, 0);
@@ -388,9 +459,9 @@ void Engine::set_budget(int64_t budget) {
     require_attached();
     if (in_batch_) throw std::logic_error("set_budget during a batch");
     check_budget(budget, "set the budget to");
-    if (budget < int64_t(ledger_.size()))
+    if (budget < cells_used())
         throw std::invalid_argument("cannot set the budget to " + std::to_string(budget) + " cells: the cache holds " +
-                                    std::to_string(ledger_.size()) + " (use compress to evict down to it)");
+                                    std::to_string(cells_used()) + " (use compress to evict down to it)");
     config_.budget = budget;
     config_.evicting_chunk = std::max<int64_t>(1, budget / 4);
     stats_.budget = budget;
@@ -414,6 +485,20 @@ bool Engine::truncate(int64_t n_logical) {
     if (n_logical >= next_logical_) return true;
     const size_t index = ledger_.lower_bound(n_logical);
     if (int64_t(index) != n_logical) return false;  // part of the prefix was evicted
+    for (int h = 0; h < ledger_.n_holders(); ++h)
+        if (ledger_.held_count(h, 0, index) != index) return false;  // ... from some heads
+    discard_from(index);
+    next_logical_ = n_logical;
+    return true;
+}
+
+bool Engine::forget_from(int64_t n_logical) {
+    if (in_batch_) throw std::logic_error("forget_from during a batch");
+    if (n_logical < 0) n_logical = 0;
+    if (n_logical >= next_logical_) return true;
+    const size_t index = ledger_.lower_bound(n_logical);
+    for (int h = 1; h < ledger_.n_holders(); ++h)
+        if (ledger_.held_count(h, index, ledger_.size()) != ledger_.held_count(0, index, ledger_.size())) return false;
     discard_from(index);
     next_logical_ = n_logical;
     return true;
@@ -429,7 +514,7 @@ void Engine::reset() {
 
 EngineStats Engine::stats() const {
     EngineStats s = stats_;
-    s.cells_used = int64_t(ledger_.size());
+    s.cells_used = cells_used();
     s.policy_state_bytes = int64_t(policy_->state_bytes());
     s.next_position = ledger_.empty() ? 0 : ledger_.cache_pos(ledger_.size() - 1) + 1;
     return s;
@@ -466,6 +551,8 @@ void Engine::check_image(const uint8_t* data, size_t size) const {
 }
 
 void Engine::restore(const uint8_t* data, size_t size) {
+    if (ledger_.n_holders())
+        throw std::logic_error("restoring the state of a per-head KV cache is not supported yet (kv_mode='per_head')");
     int64_t next_logical;
     Ledger ledger = parse_image(data, size, &next_logical);
     forget_entries(0, ledger_.size());

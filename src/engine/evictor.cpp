@@ -99,4 +99,40 @@ std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, 
     return victims;
 }
 
+std::vector<std::vector<size_t>> select_victims_per_head(const Ledger& ledger, Protection protection, size_t n_evict) {
+    const int n_heads = ledger.n_holders();
+    if (n_heads <= 0) throw std::logic_error("select_victims_per_head on a shared-mode ledger");
+    if (ledger.n_columns() != 1 && ledger.n_columns() != n_heads)
+        throw std::invalid_argument("per-head eviction needs one score column per (layer, KV head) (" +
+                                    std::to_string(n_heads) + ") or a token-level policy; the policy has " +
+                                    std::to_string(ledger.n_columns()));
+    const std::vector<size_t> candidates = eviction_candidates(ledger, protection);
+    std::vector<std::vector<size_t>> victims(static_cast<size_t>(n_heads));
+    std::vector<size_t> mine;
+    std::vector<float> score;
+    for (int h = 0; h < n_heads; ++h) {
+        const int column = ledger.n_columns() == 1 ? 0 : h;
+        mine.clear();
+        score.clear();
+        for (size_t i : candidates) {
+            if (!ledger.held(i, h)) continue;
+            mine.push_back(i);
+            const float x = ledger.scores(i)[column];
+            score.push_back(std::isfinite(x) ? x : -INFINITY);
+        }
+        if (n_evict > mine.size())
+            throw std::logic_error("cannot evict " + std::to_string(n_evict) + " tokens from head " + std::to_string(h) +
+                                   ": it holds only " + std::to_string(mine.size()) + " unprotected ones");
+        std::vector<size_t> order(mine.size());
+        std::iota(order.begin(), order.end(), size_t(0));
+        // mine is in logical order, so comparing positions in it breaks ties towards the older token
+        auto lower = [&](size_t a, size_t b) { return score[a] < score[b] || (score[a] == score[b] && a < b); };
+        std::nth_element(order.begin(), order.begin() + n_evict, order.end(), lower);
+        std::vector<size_t>& out = victims[size_t(h)];
+        for (size_t r = 0; r < n_evict; ++r) out.push_back(mine[order[r]]);
+        std::sort(out.begin(), out.end());
+    }
+    return victims;
+}
+
 }  // namespace kvp

@@ -11,6 +11,29 @@ void Ledger::append(int64_t logical, int64_t original_pos, int64_t cache_pos) {
     original_pos_.push_back(original_pos);
     cache_pos_.push_back(cache_pos);
     scores_.resize(scores_.size() + n_columns_, 0.0f);
+    holders_.resize(holders_.size() + size_t(n_holders_), 1);
+}
+
+void Ledger::set_holders(int n_holders) {
+    if (!empty()) throw std::logic_error("set_holders on a ledger that holds tokens");
+    if (n_holders < 0) throw std::invalid_argument("negative holder count");
+    n_holders_ = n_holders;
+    holders_.clear();
+}
+
+bool Ledger::held_by_any(size_t i) const {
+    if (n_holders_ == 0) return true;
+    const uint8_t* row = holders_.data() + i * n_holders_;
+    return std::any_of(row, row + n_holders_, [](uint8_t h) { return h != 0; });
+}
+
+size_t Ledger::held_count(int head, size_t first, size_t last) const {
+    last = std::min(last, size());
+    if (first >= last) return 0;
+    if (n_holders_ == 0) return last - first;
+    size_t n = 0;
+    for (size_t i = first; i < last; ++i) n += holders_[i * n_holders_ + head] != 0;
+    return n;
 }
 
 void Ledger::remove(const std::vector<size_t>& sorted_indices) {
@@ -26,6 +49,8 @@ void Ledger::remove(const std::vector<size_t>& sorted_indices) {
             original_pos_[write] = original_pos_[read];
             cache_pos_[write] = cache_pos_[read];
             std::memmove(scores(write), scores(read), n_columns_ * sizeof(float));
+            if (n_holders_)
+                std::memmove(holders_.data() + write * n_holders_, holders_.data() + read * n_holders_, size_t(n_holders_));
         }
         ++write;
     }
@@ -38,6 +63,7 @@ void Ledger::truncate(size_t first) {
     original_pos_.resize(first);
     cache_pos_.resize(first);
     scores_.resize(first * n_columns_);
+    holders_.resize(first * size_t(n_holders_));
 }
 
 size_t Ledger::lower_bound(int64_t logical) const {
@@ -55,6 +81,8 @@ void put(std::vector<uint8_t>& out, const T* values, size_t count) {
 }  // namespace
 
 std::vector<uint8_t> Ledger::serialize() const {
+    if (n_holders_ != 0)
+        throw std::logic_error("saving the state of a per-head KV cache is not supported yet (kv_mode='per_head')");
     std::vector<uint8_t> out;
     put(out, kLedgerMagic, 8);
     const uint64_t header[2] = {uint64_t(n_columns_), uint64_t(size())};

@@ -24,6 +24,7 @@
 #include "kvp/format.h"
 #include "kvp/kernels.h"
 #include "kvp/ledger.h"
+#include "kvp/policy.h"
 #include "kvp/scorer.h"
 
 namespace {
@@ -403,6 +404,60 @@ void test_ledger_image() {
 
 }  // namespace
 
+// KeyDiff in per-head mode: each head's anchor is the mean normalised key over the tokens that head holds, and
+// the tokens it holds are scored against it (float64 reference).
+void test_keydiff_per_head() {
+    const kvp::ModelIdentity model{"test", 1, 2, 4, 4, 64};
+    const std::unique_ptr<kvp::EvictionPolicy> policy = kvp::make_policy("keydiff", model, kvp::PolicyOptions{});
+    constexpr int n = 7, heads = 2, dim = 4;
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> k(n * heads * dim), v(n * heads * dim);
+    for (float& x : k) x = normal(rng);
+    for (float& x : v) x = normal(rng);
+    kvp::Ledger ledger(policy->n_score_columns());
+    CHECK(policy->n_score_columns() == heads);
+    ledger.set_holders(heads);
+    std::vector<int64_t> logical(n);
+    for (int i = 0; i < n; ++i) {
+        ledger.append(i, i, i);
+        logical[size_t(i)] = i;
+    }
+    std::vector<float> rows(n * heads);
+    policy->score_kv(0, kvp::HeadTokenView::contiguous(k.data(), n, heads, dim),
+                     kvp::HeadTokenView::contiguous(v.data(), n, heads, dim), logical.data(), logical.data(),
+                     rows.data(), heads);
+    ledger.release(1, 0);  // head 0 no longer holds tokens 1 and 4; head 1 holds everything
+    ledger.release(4, 0);
+    policy->refresh_scores(ledger);
+    for (int h = 0; h < heads; ++h) {
+        double anchor[dim] = {0, 0, 0, 0};
+        int held = 0;
+        for (int i = 0; i < n; ++i) {
+            if (!ledger.held(size_t(i), h)) continue;
+            const float* key = k.data() + (i * heads + h) * dim;
+            double norm = 0;
+            for (int c = 0; c < dim; ++c) norm += double(key[c]) * key[c];
+            for (int c = 0; c < dim; ++c) anchor[c] += key[c] / std::sqrt(norm);
+            ++held;
+        }
+        CHECK(held == (h == 0 ? n - 2 : n));
+        for (double& a : anchor) a /= held;
+        for (int i = 0; i < n; ++i) {
+            if (!ledger.held(size_t(i), h)) continue;
+            const float* key = k.data() + (i * heads + h) * dim;
+            double dot = 0, key_norm = 0, anchor_norm = 0;
+            for (int c = 0; c < dim; ++c) {
+                dot += key[c] * anchor[c];
+                key_norm += double(key[c]) * key[c];
+                anchor_norm += anchor[c] * anchor[c];
+            }
+            const double expected = -dot / (std::sqrt(key_norm) * std::sqrt(anchor_norm));
+            CHECK(std::fabs(ledger.scores(size_t(i))[h] - expected) < 1e-5);
+        }
+    }
+}
+
 int main(int argc, char** argv) {
     if (argc < 2) {
         std::fprintf(stderr, "usage: %s POLICY.kvp.bin...\n", argv[0]);
@@ -417,6 +472,7 @@ int main(int argc, char** argv) {
         }
         test_evictor();
         test_ledger_image();
+        test_keydiff_per_head();
     } catch (const std::exception& e) {
         std::fprintf(stderr, "test_core: unexpected exception: %s\n", e.what());
         return 1;

@@ -34,6 +34,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "(default: kvp_cpp.default_model_path())")
     parser.add_argument("--template", choices=TEMPLATE_KINDS, default="chat",
                         help="chat: the model's chat template (default); base: the bare task text")
+    parser.add_argument("--interleave", action="store_true",
+                        help="write sample 0 of every task and length, then sample 1, ...: a benchmark stopped part "
+                             "way through has covered every task evenly")
     parser.add_argument("-o", "--output", default="-", help="output JSONL file (default: stdout)")
     args = parser.parse_args(argv)
     unknown = [task for task in args.tasks if task not in TASKS]
@@ -58,14 +61,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     interactive = sys.stderr.isatty()
     try:
         jobs = [(task, length) for task in args.tasks for length in args.lengths]
+        held: List[List[str]] = []  # --interleave: each job's lines, written round-robin at the end
         for job, (task, length) in enumerate(jobs, 1):
             prefix = f"[ruler {job}/{len(jobs)}] {task} @ {length}"
+            held.append([])
             for record in generate(task, length, args.samples, tokenizer, args.template, args.seed):
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                line = json.dumps(record, ensure_ascii=False) + "\n"
+                if args.interleave:
+                    held[-1].append(line)
+                else:
+                    out.write(line)
                 if interactive:
                     done = f"{record['index'] + 1}/{args.samples}"
                     print(f"\r{prefix}: {done} samples", end="", file=sys.stderr, flush=True)
             print(("\r" if interactive else "") + f"{prefix}: {args.samples}/{args.samples} samples", file=sys.stderr)
+        for index in range(args.samples if args.interleave else 0):
+            for lines in held:
+                out.write(lines[index])
     finally:
         if out is not sys.stdout:
             out.close()

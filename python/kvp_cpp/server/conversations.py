@@ -33,7 +33,6 @@ import ctypes
 import hashlib
 import inspect
 import itertools
-import struct
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -46,7 +45,6 @@ from llama_cpp.llama_tokenizer import LlamaTokenizer
 from ..llama import Llama
 from .tokens import TokenizationCache, tokenize_with_cache
 
-_LEDGER_MAGIC = b"KVPLEDG1"  # src/engine/ledger.cpp: Ledger::serialize
 _COMPLETION_SIGNATURE = inspect.signature(llama_cpp.Llama.create_completion)
 
 
@@ -418,31 +416,12 @@ class ConversationLlama(Llama):
         return ctypes.string_at(buffer, written)  # slicing a c_uint8 array would build a list of ints
 
     def _cut_back(self, n: int) -> None:
-        """Forgets the logical tokens from ``n`` on, keeping the cache's policy-chosen subset of the ones before.
-
-        ``Engine.truncate`` does this only when no token before ``n`` was evicted. Otherwise the cells of tokens
-        >= n are removed here and the engine gets back its ledger's entries before n (the cache positions of
-        cached tokens grow with their logical index, so they are a prefix of the ledger and a suffix of the cells).
-        Policies that keep host copies of cached keys (the attention baselines) lose those copies on a restore;
-        the learned policy and streaming keep everything they need in the ledger.
-        """
-        engine = self.kv_engine
-        if not engine.truncate(n):
-            ledger = engine.ledger()
-            keep = int(np.searchsorted(ledger["logical"], n))
-            if keep < len(ledger["logical"]):
-                memory = llama_cpp.llama_get_memory(self._ctx.ctx)
-                if not llama_cpp.llama_memory_seq_rm(memory, 0, int(ledger["cache_pos"][keep]), -1):
-                    raise RuntimeError("llama.cpp refused to remove the tail of a conversation's cells")
-            scores = np.ascontiguousarray(ledger["scores"][:keep], dtype="<f4")
-            image = b"".join([
-                struct.pack("<q", n), _LEDGER_MAGIC, struct.pack("<QQ", scores.shape[1], keep),
-                np.ascontiguousarray(ledger["logical"][:keep], dtype="<i8").tobytes(),
-                np.ascontiguousarray(ledger["original_pos"][:keep], dtype="<i8").tobytes(),
-                np.ascontiguousarray(ledger["cache_pos"][:keep], dtype="<i8").tobytes(), scores.tobytes(),
-            ])  # fmt: skip
-            engine.restore(image)
-            self.conversations.counters["cut_back"] += 1
+        """Forgets the logical tokens from ``n`` on, keeping the cache's policy-chosen subset of the ones before
+        (``Engine.forget_from``; ``Engine.truncate`` would refuse once a token before ``n`` was evicted)."""
+        forgets = n < self.kv_engine.logical_length
+        if not self.kv_engine.forget_from(n):
+            raise RuntimeError("the engine cannot forget a conversation's tail per head")
+        self.conversations.counters["cut_back"] += forgets
         self.n_tokens = n
 
     # --- introspection ------------------------------------------------------------------------------------------

@@ -1,0 +1,321 @@
+"""Per-head KV eviction on the patched llama.cpp (kvp_cpp/llama_patches, built by ``python -m kvp_cpp.llama_build``).
+
+Every check runs in a fresh process (tests/per_head_probe.py), because a process loads one libllama for good: the
+patched one with ``KVP_CPP_LLAMA=per_head``, llama-cpp-python's own without. Skipped, with the reason, when the
+patched library is not built.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from kvp_cpp import _llama_lib
+
+PROBE = pathlib.Path(__file__).with_name("per_head_probe.py")
+
+pytestmark = pytest.mark.skipif(
+    not _llama_lib.is_built(),
+    reason=f"the patched llama.cpp is not built ({_llama_lib.lib_dir()}); run `{_llama_lib.BUILD_COMMAND}`",
+)
+
+
+def run_probe(scenario: str, args=None, *, patched: bool, timeout: float = 300):
+    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_CPP_LIB_PATH", _llama_lib.ENV_SELECT)}
+    if patched:
+        env[_llama_lib.ENV_SELECT] = "per_head"
+    out = subprocess.run([sys.executable, str(PROBE), scenario, json.dumps(args or {})], env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise AssertionError(f"probe {scenario} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+GREEDY = {"n_new": 16, "chunk": 64, "repeat": 3}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["fa_on", "fa_off"])
+def greedy_runs(request):
+    """Greedy tokens and a hash of all logits, on the stock library and on the patched one (per-head mode off,
+    enabled before the first token, enabled after 64 tokens)."""
+    args = dict(GREEDY, flash_attn=request.param)
+    stock = run_probe("greedy", args, patched=False)
+    patched = run_probe("greedy", dict(args, enable_at=[None, 0, 64]), patched=True)
+    return stock, patched
+
+
+def test_patched_library_is_bit_identical_to_stock(greedy_runs):
+    """llama-cpp-python on the patched library: the same greedy tokens and the same logits, bit for bit."""
+    stock, patched = greedy_runs
+    assert not stock["patched"] and patched["patched"]
+    assert patched["lib"] == str(_llama_lib.lib_dir())
+    ref, off = stock["runs"][0], patched["runs"][0]
+    assert ref["n_prompt"] > 64 and not off["per_head_enabled"]
+    assert off["tokens"] == ref["tokens"]
+    assert off["logits_sha256"] == ref["logits_sha256"]
+
+
+def test_per_head_without_eviction_is_bit_identical_to_stock(greedy_runs):
+    """Per-head mode with the budget above the token count, enabled before the first token or after 64: the stock
+    library's greedy tokens and logits, bit for bit."""
+    stock, patched = greedy_runs
+    ref = stock["runs"][0]
+    for run in patched["runs"][1:]:
+        assert run["per_head_enabled"], run
+        assert run["tokens"] == ref["tokens"]
+        assert run["logits_sha256"] == ref["logits_sha256"]
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_planted_token_survives_in_its_own_head(flash_attn):
+    """Each (layer, KV head) keeps sinks, recent tokens and one planted token of its own and drops the rest:
+    the cache reports exactly that set per head, and each row still holds that head's K/V for that position."""
+    r = run_probe("planted", {"flash_attn": flash_attn}, patched=True)
+    assert r["n_distinct_planted"] > 50  # the heads really keep different tokens
+    assert r["kept_ok"]
+    assert r["bad_rows"] == 0
+    assert {c for row in r["counts"] for c in row} == {4 + 1 + 16}
+    assert r["shared_cells"] == 21  # llama.cpp's own cells: the same count
+    assert r["shared_pos_max"] == r["n_prompt"] - 1
+    assert r["finite"]
+    assert {c for row in r["counts_after_decode"] for c in row} == {21 + 8}
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_attention_depends_on_each_heads_tokens_not_on_their_cells(flash_attn):
+    """Per-head token sets (different for each of the 90 heads) reached in two orders, so that every head's rows
+    sit in other cells: layer 0's attention output for 16 new tokens agrees up to rounding (flash attention
+    accumulates V in F16), while the evictions themselves change it far more (control: no eviction)."""
+    r = run_probe("order", {"flash_attn": flash_attn}, patched=True)
+    assert r["same_sets"] and r["expected_sets"]
+    assert r["heads_laid_out_differently"] == 90
+    assert r["n_captured"] == 16
+    assert r["rel_diff"] < (5e-3 if flash_attn else 1e-5), r
+    assert r["control_rel_diff"] > max(0.02, 10 * r["rel_diff"]), r
+
+
+def test_every_head_stays_within_budget_on_a_long_stream():
+    """~4x the cache through a 256-cell context: every head's cell count, read from the cache, stays <= 256;
+    the moved rows keep their K/V; decoding stays finite."""
+    r = run_probe("budget", {"n_ctx": 256, "chunk": 32, "repeat": 16, "flash_attn": True}, patched=True)
+    assert r["n_cells"] == 256
+    assert r["n_tokens"] > 3 * r["n_cells"]
+    assert r["evictions"] > 10 and r["row_checks"] > 2
+    assert r["max_count"] <= r["n_cells"]
+    assert {c for row in r["final_counts"] for c in row} == {r["shared_cells"]}
+    assert r["shared_pos_max"] == r["n_tokens"] - 1
+    assert r["finite"]
+
+
+def test_seq_rm_and_refused_evictions():
+    r = run_probe("seq_rm", patched=True)
+    assert r["unequal"] is False  # heads hold different counts in [0, 50): refused, nothing changed
+    assert {c for row in r["counts_after_refusal"] for c in row} == {130}
+    assert r["tail"] is True
+    assert {c for row in r["counts_after_tail"] for c in row} == {120}
+    assert r["pos_max"] == 149
+    assert r["bad_evict"] and "does not hold" in r["bad_evict"]
+    assert r["counts_after_bad"] == r["counts_after_tail"]
+    assert r["everything"] is True
+    assert {c for row in r["counts_after_clear"] for c in row} == {0}
+
+
+def test_shared_engine_unchanged_on_the_patched_library():
+    """kvp-cpp's shared-cell engine (keydiff, prompt ~4x a 256-cell budget) gives the same text and counters on
+    the patched library as on the stock one."""
+    stock = run_probe("engine", {"policy": "keydiff"}, patched=False)
+    patched = run_probe("engine", {"policy": "keydiff"}, patched=True)
+    assert patched["patched"] and not stock["patched"]
+    assert stock["tokens_evicted"] > 500
+    assert patched == dict(stock, patched=True)
+
+
+KVP_FILE = pathlib.Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct.kvp.bin"
+
+
+@pytest.mark.parametrize("policy", ["keydiff", str(KVP_FILE)], ids=["keydiff", "kvp"])
+def test_engine_per_head_mode(policy):
+    """kvp_cpp.Llama(kv_mode="per_head"): a prompt ~4x a 256-cell budget; every head's cell count, read from
+    the cache, is the engine's cells_used <= budget, and the 90 heads keep 90 different token sets."""
+    r = run_probe("engine_per_head", {"policy": policy}, patched=True)
+    assert r["n_cells"] == 256 and r["tokens_evicted"] > 500
+    assert r["counts"] == [r["cells_used"]] and r["cells_used"] <= 256
+    assert r["n_distinct_sets"] == 90
+    assert r["max_pos"] > 900  # original positions
+    assert len(r["text"].strip()) > 0
+
+
+def test_engine_per_head_with_token_level_policy_is_the_shared_engine():
+    """A one-column policy (streaming) scores every head alike: per-head mode evicts the same tokens from every
+    head and produces what the shared engine produces (original positions in both)."""
+    args = {"policy": "streaming", "position_mode": "original"}
+    shared = run_probe("engine_per_head", dict(args, kv_mode="shared"), patched=True)
+    per = run_probe("engine_per_head", dict(args, kv_mode="per_head"), patched=True)
+    assert per["n_distinct_sets"] == 1
+    assert per["text"] == shared["text"]
+    assert (per["tokens_evicted"], per["cells_used"]) == (shared["tokens_evicted"], shared["cells_used"])
+
+
+def test_engine_per_head_without_eviction_is_stock():
+    """Budget above the token count: kv_mode="per_head" gives stock llama-cpp-python's greedy text."""
+    stock = run_probe("engine_per_head", {"policy": None, "budget": 1024, "repeat": 3}, patched=False)
+    per = run_probe("engine_per_head", {"policy": "keydiff", "budget": 1024, "repeat": 3}, patched=True)
+    assert per["tokens_evicted"] == 0 and per["n_distinct_sets"] == 1
+    assert per["text"] == stock["text"]
+
+
+def test_kv_mode_errors():
+    stock = run_probe("kv_mode_errors", patched=False)
+    assert stock["per_head"].startswith("RuntimeError") and "KVP_CPP_LLAMA=per_head" in stock["per_head"]
+    assert stock["per_head_compact"].startswith("ValueError") and "original" in stock["per_head_compact"]
+    assert stock["bogus"].startswith("ValueError") and "kv_mode" in stock["bogus"]
+    patched = run_probe("kv_mode_errors", patched=True)
+    assert patched["per_head"] is None
+    assert "not supported yet" in patched["save_state"]
+
+
+def test_unsupported_context_is_refused():
+    r = run_probe("refused", patched=True)
+    assert r["error"] and "cannot hold per-head state" in r["error"]
+
+
+def test_kv_buffer_bytes_equal_shared_mode():
+    """llama.cpp's own KV buffer report is the same for a per-head and a shared context of the same budget."""
+    shared = run_probe("kv_bytes", {"n_ctx": 512}, patched=True)
+    per = run_probe("kv_bytes", {"n_ctx": 512, "per_head": True}, patched=True)
+    stock = run_probe("kv_bytes", {"n_ctx": 512}, patched=False)
+    assert per["enabled"] and not shared["enabled"]
+    assert per["lines"] and per["lines"] == shared["lines"] == stock["lines"]
+    assert per["n_cells"] == shared["n_cells"] == 512
+
+
+def test_loader_selects_and_explains(tmp_path):
+    patched = run_probe("loader", patched=True)
+    assert patched["patched"] and patched["require"] is None
+    assert patched["env"] == str(_llama_lib.lib_dir())
+    # one copy of each library, all from the patched build (kvp-cpp's extension binds to them by SONAME)
+    names = [os.path.basename(p).split(".so")[0] for p in patched["mapped"]]
+    assert {"libllama", "libggml", "libggml-base", "libggml-cpu"} <= set(names)
+    assert len(names) == len(set(names)), patched["mapped"]
+    assert {os.path.dirname(p) for p in patched["mapped"]} == {os.path.realpath(_llama_lib.lib_dir())}
+    stock = run_probe("loader", patched=False)
+    assert not stock["patched"] and "KVP_CPP_LLAMA=per_head" in stock["require"]
+    # llama_cpp imported before kvp_cpp: the stock library is in, and per-head mode says why it cannot be had
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    env[_llama_lib.ENV_SELECT] = "per_head"
+    code = ("import llama_cpp, kvp_cpp\nfrom kvp_cpp import per_head\n"
+            "try:\n    per_head.enable(0)\nexcept RuntimeError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "imported before kvp_cpp" in out.stdout
+    # asked for, but not built (an empty cache): a warning at import, and an error naming the build command
+    code = "import kvp_cpp\nfrom kvp_cpp import per_head\ntry:\n    per_head.enable(0)\nexcept RuntimeError as e:\n    print('ERR', e)\n"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, KVP_CPP_CACHE=str(tmp_path)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "not built" in out.stderr and _llama_lib.BUILD_COMMAND in out.stderr
+    assert "ERR" in out.stdout and _llama_lib.BUILD_COMMAND in out.stdout
+
+
+# ------------------------------------------------------------------------------------------------ kvp-bench
+
+
+BENCH_BUDGETS = (64, 1024)  # 1024 holds every prompt: nothing is evicted
+
+
+def launch_bench(*args: str) -> subprocess.CompletedProcess:
+    """kvp-bench through its launcher, which starts the binary on the patched library for --kv-modes per_head."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_CPP_LIB_PATH", _llama_lib.ENV_SELECT)}
+    result = subprocess.run([sys.executable, "-m", "kvp_cpp.bench", *args], capture_output=True, text=True,
+                            timeout=600, env=env)
+    if result.returncode != 0:
+        raise AssertionError(f"kvp-bench failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+def bench_records(json_path) -> list:
+    with open(str(json_path)[: -len(".json")] + ".samples.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def bench_tasks(tmp_path_factory, model_path):
+    from kvp_cpp.ruler import LlamaTokenizer, generate
+
+    path = tmp_path_factory.mktemp("tasks") / "niah.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for record in generate("niah_single_1", 384, 2, LlamaTokenizer(model_path)):
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def test_bench_compares_shared_and_per_head_side_by_side(tmp_path, model_path, bench_tasks):
+    """kvp-bench --kv-modes shared,per_head: per-head results next to shared ones in one run; the shared results
+    are those of a run on the stock library, a per-head result is the one it gives alone, each per-head cache is
+    compressed to the budget, and one that holds the prompt evicts nothing."""
+    common = ["-m", model_path, "--tasks", str(bench_tasks), "--budgets", ",".join(map(str, BENCH_BUDGETS)),
+              "--max-new-tokens", "8", "--variants", "question_included", "-t", "2"]
+    both = tmp_path / "both.json"
+    result = launch_bench(*common, "--policies", "kvp,keydiff,streaming,full", "--kv-modes", "shared,per_head",
+                          "-o", str(both))
+    assert "streaming runs shared only: one score per token" in result.stderr
+    stock = tmp_path / "stock.json"
+    launch_bench(*common, "--policies", "kvp,keydiff,streaming,full", "-o", str(stock))
+    alone = tmp_path / "alone.json"
+    launch_bench(*common, "--samples", "1", "--policies", "kvp", "--budgets", str(min(BENCH_BUDGETS)),
+                 "--kv-modes", "per_head", "-o", str(alone))
+
+    key = lambda r: (r["task"], r["index"], r["policy"], r["budget"], r["kv_mode"])  # noqa: E731
+    records = {key(r): r for r in bench_records(both)}
+    assert len(records) == 2 * ((2 * 2 + 1) * len(BENCH_BUDGETS) + 1)  # streaming: shared only
+    assert {r["kv_mode"] for r in records.values()} == {"shared", "per_head"}
+    fields = ("prediction", "score", "llama_cells", "tokens_evicted", "compressed_cells", "cells_max", "kept_digest")
+    for r in bench_records(stock):  # shared results: unchanged by the patched library and the per-head jobs
+        assert [records[key(r)][f] for f in fields] == [r[f] for f in fields], key(r)
+    for r in bench_records(alone):
+        assert [records[key(r)][f] for f in fields] == [r[f] for f in fields], key(r)
+
+    for k, r in records.items():
+        if r["kv_mode"] != "per_head":
+            continue
+        shared = records[k[:-1] + ("shared",)]
+        assert r["compressed_cells"] == min(r["budget"], r["context_tokens"])
+        assert r["cells_max"] == r["compressed_cells"] + r["decoded_tokens"]
+        if r["budget"] >= r["context_tokens"]:
+            full = records[(k[0], k[1], "full", None, "shared")]
+            assert r["tokens_evicted"] == 0 and r["prediction"] == full["prediction"]
+        elif r["policy"].startswith("kvp:"):
+            assert r["kept_digest"] != shared["kept_digest"]  # the heads kept different tokens
+
+    document = json.loads(both.read_text())
+    assert document["config"]["kv_modes"] == ["shared", "per_head"]
+    assert {(row["policy"].split(":")[0], row["kv_mode"]) for row in document["results"]} == {
+        ("kvp", "shared"), ("kvp", "per_head"), ("keydiff", "shared"), ("keydiff", "per_head"), ("streaming", "shared"),
+        ("full", "shared")}
+    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()]
+    assert table[0][:4] == ["variant", "policy", "kv mode", "budget"]
+    assert {line[2] for line in table[2:]} == {"shared", "per_head"}
+
+
+def test_bench_speed_reports_per_head_against_shared(tmp_path, model_path):
+    out = tmp_path / "speed.json"
+    result = launch_bench("-m", model_path, "--speed", "--contexts", "160", "--policies", "keydiff,full",
+                          "--budgets", "64", "--decode-tokens", "4", "--kv-modes", "shared,per_head", "-t", "2",
+                          "-o", str(out))
+    rows = json.loads(out.read_text())["speed"]
+    assert [(r["policy"], r["kv_mode"]) for r in rows] == [
+        ("full", "shared"), ("keydiff", "shared"), ("keydiff", "per_head")]
+    shared, per_head = rows[1], rows[2]
+    assert per_head["prefill_vs_shared"] == pytest.approx(
+        per_head["prefill_tokens_per_second"] / shared["prefill_tokens_per_second"])
+    assert per_head["decode_vs_shared"] == pytest.approx(shared["decode_ms_per_token"] / per_head["decode_ms_per_token"])
+    assert shared["prefill_vs_shared"] == 0
+    assert per_head["kv_bytes"] == shared["kv_bytes"] and per_head["cells_max"] <= 64
+    assert per_head["tokens_evicted"] >= 160 + 4 - 64
+    header = [cell.strip() for cell in result.stdout.splitlines()[0].strip("|").split("|")]
+    assert header[:2] == ["policy", "kv mode"] and "prefill vs shared" in header and "decode vs shared" in header
