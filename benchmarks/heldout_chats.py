@@ -63,16 +63,6 @@ FOLLOW_UPS = [
 ]
 
 
-def chat_renderer(llm):
-    """The model's chat template as llama-cpp-python renders it (messages -> prompt text)."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    formatter = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"],
-                                    eos_token=llm.detokenize([llm.token_eos()], special=True).decode(),
-                                    bos_token=llm.detokenize([llm.token_bos()], special=True).decode())  # fmt: skip
-    return lambda messages: formatter(messages=messages).prompt
-
-
 def make_chat(llm, render, index: int, seed: int, min_tokens: int, reply_tokens: int, max_turns: int
               ) -> Tuple[str, int]:  # fmt: skip
     """The chat's rendered text and its token count."""
@@ -106,6 +96,7 @@ def main(argv=None) -> int:
     import llama_cpp
 
     from kvp_cpp import default_model_path
+    from kvp_cpp.chat import chat_renderer
 
     if args.chats > len(OPENERS):
         parser.error(f"--chats is at most {len(OPENERS)} (one opener each)")

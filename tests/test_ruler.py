@@ -379,3 +379,15 @@ def test_module_entry_point_defaults_to_the_six_synthetic_tasks(tmp_path):
     assert [r["task"] for r in records] == list(SYNTHETIC_TASKS)
     assert all(r["template"] == "chat" for r in records)
     assert "[ruler 6/6] fwe @ 1024: 1/1 samples" in result.stderr
+
+
+def test_chat_renderer_renders_the_models_own_template():
+    """kvp_cpp.chat.chat_renderer (held-out chats, training chats): the GGUF's chat template with its BOS/EOS text."""
+    import llama_cpp
+
+    from kvp_cpp.chat import chat_renderer
+
+    llm = llama_cpp.Llama(default_model_path(), n_ctx=64, vocab_only=True, verbose=False)
+    text = chat_renderer(llm)([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi!"}])
+    assert "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|>" in text
+    assert text.startswith("<|im_start|>system\n")  # SmolLM2's template adds its default system prompt

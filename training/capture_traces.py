@@ -92,11 +92,9 @@ def ruler_documents(model: str, count: int, length: int, seed: int) -> Iterator[
 
 def chat_documents(llm, count: int, seed: int, done=frozenset(), max_turn_tokens: int = 160
                    ) -> Iterator[Tuple[str, str, str]]:
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+    from kvp_cpp.chat import chat_renderer
 
-    formatter = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"],
-                                    eos_token=llm.detokenize([llm.token_eos()], special=True).decode(),
-                                    bos_token=llm.detokenize([llm.token_bos()], special=True).decode())
+    render = chat_renderer(llm)
     for index in range(count):
         if f"chat/{index}" in done:  # resuming: generating it again would only be thrown away
             yield "chats", f"chat/{index}", ""
@@ -109,8 +107,7 @@ def chat_documents(llm, count: int, seed: int, done=frozenset(), max_turn_tokens
             messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
             if turn < len(follow_ups):
                 messages.append({"role": "user", "content": follow_ups[turn]})
-        text = formatter(messages=messages).prompt
-        yield "chats", f"chat/{index}", text
+        yield "chats", f"chat/{index}", render(messages)
 
 
 def text_documents(count: int) -> Iterator[Tuple[str, str, str]]:
