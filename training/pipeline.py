@@ -1,6 +1,6 @@
 """The whole training pipeline in one command: traces, training, held-out evaluation, ONNX export and back.
 
-    python -m training.pipeline --out runs/smollm2                    # the shipped policy's recipe (about 25 min)
+    python -m training.pipeline --out runs/smollm2                    # the shipped policy's recipe (about 85 min)
     python -m training.pipeline --out runs/x -m other.gguf --objective rl --steps 1200
 
 Steps, each resumable (rerun the same command after an interruption; finished steps are skipped):
@@ -36,14 +36,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="run folder")
     parser.add_argument("-m", "--model", default=None, help="GGUF model (default: the embedded SmolLM2)")
     data = parser.add_argument_group("traces (training.capture_traces)")
-    data.add_argument("--ruler", type=int, default=30)
-    data.add_argument("--chats", type=int, default=6)
-    data.add_argument("--text", type=int, default=8)
+    data.add_argument("--ruler", type=int, default=120)
+    data.add_argument("--chats", type=int, default=12)
+    data.add_argument("--text", type=int, default=10)
     data.add_argument("--length", type=int, default=2048)
     training = parser.add_argument_group("training (training.train)")
-    training.add_argument("--objective", choices=("rl", "supervised"), default="supervised")
+    training.add_argument("--objective", choices=train_step.OBJECTIVES, default="listwise")
     training.add_argument("--hidden", default="32")
-    training.add_argument("--steps", type=int, default=400)
+    training.add_argument("--steps", type=int, default=1000)
     training.add_argument("--seed", type=int, default=0)
     parser.add_argument("-t", "--threads", type=int, default=None, help="llama.cpp threads while capturing")
     parser.add_argument("--install", default=None, help="copy the trained policy here at the end")

@@ -197,6 +197,16 @@ def log_importance_regression_loss(scores: torch.Tensor, importance: torch.Tenso
     return error.pow(2).mean(-1).sum()
 
 
+def listwise_kl_loss(scores: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+    """Listwise objective (ListNet's top-one probability): KL(p ‖ softmax(scores)) with p = I / ΣI of one prefix,
+    scores and importance (A, n), summed over agents. softmax(scores) is what the evictor's default sum_softmax
+    combination adds up over heads, so this fits exactly the quantity a shared eviction ranks by, and it weighs each
+    token by its share of the future attention: the few tokens that a question will read dominate it."""
+    p = importance / importance.sum(-1, keepdim=True).clamp_min(torch.finfo(importance.dtype).tiny)
+    log_q = torch.log_softmax(scores, dim=-1)
+    return (torch.special.xlogy(p, p) - p * log_q).sum(-1).sum()
+
+
 def clip_grad_norm_per_agent_(parameters: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clips each agent's gradient (the slice a of every (A, …) parameter) to norm ≤ max_norm, as if every agent
     were trained alone; returns the (A,) norms before clipping."""

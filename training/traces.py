@@ -60,6 +60,7 @@ class SequenceInfo:
     n_tokens: int
     cuts: tuple
     has_q: bool
+    futures: tuple = ()  # future queries behind each cut; n_future each when the manifest gives none
 
 
 class TraceSet:
@@ -123,14 +124,17 @@ class TraceSet:
             n_tokens=int(entry["n_tokens"]),
             cuts=tuple(int(c) for c in entry["cuts"]),
             has_q=bool(entry.get("has_q", False)),
+            futures=tuple(int(f) for f in entry.get("futures", [self.n_future] * len(entry["cuts"]))),
         )
         where = f"sequence {info.id} ({info.dir})"
         if info.split not in SPLITS:
             raise TraceFormatError(f"{where}: split {info.split!r} is not one of {SPLITS}")
-        for cut in info.cuts:
-            if not 1 <= cut <= info.n_tokens - self.n_future:
+        if len(info.futures) != len(info.cuts):
+            raise TraceFormatError(f"{where}: {len(info.futures)} futures for {len(info.cuts)} cuts")
+        for cut, future in zip(info.cuts, info.futures):
+            if future < 1 or not 1 <= cut <= info.n_tokens - future:
                 raise TraceFormatError(
-                    f"{where}: cut {cut} leaves fewer than n_future={self.n_future} of its {info.n_tokens} tokens"
+                    f"{where}: cut {cut} with {future} future queries does not fit in its {info.n_tokens} tokens"
                 )
         return info
 

@@ -9,7 +9,8 @@ layer on them at once: all agents are independent slices of batched tensors, the
 gradients clipped one agent at a time, so a step is the paper's update of each agent on the same prefixes.
 
 Objectives: "rl" (Plackett–Luce policy, K Gumbel-sort samples per prefix, reward −C(σ)/C(σ*), RLOO) or
-"supervised" (regression of the score on log importance; the comparison row). AdamW, linear warm-up from 1 % of
+"supervised" (regression of the score on log importance; the comparison row) or "listwise" (KL divergence of
+softmax(score) from the prefix's importance distribution, ListNet's top-one loss). AdamW, linear warm-up from 1 % of
 the learning rate, cosine decay to --min-lr, per-agent clipping at norm 5, no entropy term.
 
 Runs are deterministic for a seed and thread count, checkpoint every --checkpoint-every steps and continue with
@@ -47,6 +48,9 @@ RUN_KEYS = (
 )  # fmt: skip
 
 
+OBJECTIVES = ("rl", "supervised", "listwise")
+
+
 def _int_list(text: str) -> list:
     return [int(part) for part in text.split(",") if part.strip()]
 
@@ -55,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m training.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", required=True, help="trace directory (docs/traces.md)")
     parser.add_argument("--out", required=True, help="kvp.bin policy to write")
-    parser.add_argument("--objective", choices=("rl", "supervised"), default="rl")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="rl")
     parser.add_argument("--hidden", type=_int_list, default=[32],
                         help="hidden widths, comma-separated (\"\" for a linear agent); default 32")
     parser.add_argument("--activation", choices=pf.ACTIVATIONS, default="relu")
@@ -216,6 +220,8 @@ class Trainer:
                 rankings = rl.gumbel_rankings(scores, self.args.samples, self.generator)
                 log_probs.append(rl.plackett_luce_log_prob(scores, rankings))
                 rewards.append(rl.normalised_rewards(importance, rankings))
+            elif self.args.objective == "listwise":
+                supervised_losses.append(rl.listwise_kl_loss(scores, importance))
             else:
                 supervised_losses.append(rl.log_importance_regression_loss(scores, importance))
         if self.args.objective == "rl":

@@ -28,6 +28,9 @@ public:
     PolicyFactory(const std::string& label, const llama_model* model, const EngineOptions& options);
 
     const std::string& label() const { return label_; }  // as given: "full", "streaming", "kvp:models/x.kvp.bin"
+    // FNV-1a of a learned policy's file bytes (16 hex digits), empty for the others: results in a log carry it, so
+    // that a resumed sweep notices when the file behind a label changed.
+    const std::string& file_digest() const { return file_digest_; }
     bool is_full() const { return source_.empty(); }
     const std::string& policy_name() const { return policy_name_; }  // the policy's own name(); "full" for full
     bool attention_based() const { return attention_based_; }        // scores from observed queries
@@ -48,7 +51,7 @@ public:
 private:
     std::unique_ptr<EvictionPolicy> make_policy() const;
 
-    std::string label_, source_, policy_name_;
+    std::string label_, source_, policy_name_, file_digest_;
     const llama_model* model_;
     ModelIdentity identity_;
     EngineOptions options_;
