@@ -371,7 +371,7 @@ Policy parse_policy(const uint8_t* data, size_t size) {
     return policy;
 }
 
-Policy load_policy(const std::string& path) {
+std::vector<uint8_t> read_policy_file(const std::string& path) {
     std::error_code ec;
     const uintmax_t size = std::filesystem::file_size(path, ec);
     if (ec) fail("cannot read policy file '" + path + "': " + ec.message());
@@ -383,12 +383,18 @@ Policy load_policy(const std::string& path) {
     in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
     if (static_cast<uintmax_t>(in.gcount()) != size || in.peek() != std::char_traits<char>::eof())
         fail("policy file '" + path + "' changed size while being read");
+    return bytes;
+}
+
+Policy parse_policy_file(const std::vector<uint8_t>& image, const std::string& path) {
     try {
-        return parse_policy(bytes.data(), bytes.size());
+        return parse_policy(image.data(), image.size());
     } catch (const FormatError& e) {
         throw FormatError("policy file '" + path + "': " + e.what());
     }
 }
+
+Policy load_policy(const std::string& path) { return parse_policy_file(read_policy_file(path), path); }
 
 void check_identity(const Policy& policy, const ModelIdentity& model) {
     const ModelIdentity& trained = policy.identity;

@@ -277,7 +277,10 @@ def test_a_rerun_refuses_results_of_a_policy_file_that_changed_since(tmp_path, m
             "--variants", "question_included", "--samples", "1", "--max-new-tokens", "2", "-o", str(out)]
     run_bench(*args)
     (record,) = read_log(out)
-    assert len(record["policy_digest"]) == 16
+    digest = 0xCBF29CE484222325  # FNV-1a 64 of the file's bytes, as the log documents it
+    for byte in policy.read_bytes():
+        digest = ((digest ^ byte) * 0x100000001B3) % 2**64
+    assert record["policy_digest"] == f"{digest:016x}"
     run_bench(*args)  # the same file: everything is resumed
     policy_file.write_policy(policy, policy_file.random_policy(**policy_file.smollm2_identity(), hidden=(8,), seed=2))
     changed = subprocess.run([bench.binary_path(), *args], capture_output=True, text=True, timeout=120)

@@ -82,7 +82,11 @@ struct Policy {
 
 // Parses a complete file image. Throws FormatError on anything that does not follow the spec.
 Policy parse_policy(const uint8_t* data, size_t size);
-// Reads the whole file with ordinary reads (never mmap), then parses it. Throws FormatError (also for I/O errors).
+// The whole file, read with ordinary reads (never mmap). Throws FormatError for I/O errors and files over 2 GiB.
+std::vector<uint8_t> read_policy_file(const std::string& path);
+// Parses the image of the file at `path`; errors name the path.
+Policy parse_policy_file(const std::vector<uint8_t>& image, const std::string& path);
+// read_policy_file, then parse_policy_file.
 Policy load_policy(const std::string& path);
 
 // Throws FormatError naming every field that differs.

@@ -353,7 +353,7 @@ int run_speed_benchmark(const Options& o) {
         {"files", {{"csv", csv_path}}},
         {"speed", rows}};
     std::ofstream out(o.output_path);
-    out << document.dump(2, ' ', false, json::error_handler_t::replace) << '\n';
+    out << json_text(document, 2) << '\n';
     if (!out) throw std::runtime_error("cannot write " + o.output_path);
     std::vector<json> objects(rows.begin(), rows.end());
     write_csv_rows(csv_path, speed_csv_columns(), objects);
@@ -455,7 +455,7 @@ int run_benchmark(const Options& o) {
         {"files", {{"csv", csv_path}, {"log", log_path}}},
         {"results", rows}};
     std::ofstream out(o.output_path);
-    out << document.dump(2, ' ', false, json::error_handler_t::replace) << '\n';
+    out << json_text(document, 2) << '\n';
     if (!out) throw std::runtime_error("cannot write " + o.output_path);
     write_csv(csv_path, rows);
 

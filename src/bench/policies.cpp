@@ -1,12 +1,10 @@
 #include "policies.h"
 
 #include <algorithm>
-#include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <sstream>
 #include <stdexcept>
 
+#include "digest.h"
 #include "results.h"
 
 namespace kvp::bench {
@@ -43,23 +41,6 @@ std::vector<std::string> split_list(const std::string& text) {
     return items;
 }
 
-namespace {
-
-std::string file_digest_of(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw std::invalid_argument("cannot read policy file " + path);
-    uint64_t hash = 0xcbf29ce484222325ull;
-    for (std::istreambuf_iterator<char> it(in), end; it != end; ++it) {
-        hash ^= uint64_t(uint8_t(*it));
-        hash *= 0x100000001b3ull;
-    }
-    char text[17];
-    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(hash));
-    return text;
-}
-
-}  // namespace
-
 PolicyFactory::PolicyFactory(const std::string& label, const llama_model* model, const EngineOptions& options)
     : label_(label), source_(policy_source(label)), model_(model), identity_(model_identity(model)), options_(options) {
     if (is_full()) {
@@ -68,10 +49,13 @@ PolicyFactory::PolicyFactory(const std::string& label, const llama_model* model,
     }
     const std::vector<std::string> builtins = builtin_policy_names();
     if (std::find(builtins.begin(), builtins.end(), source_) == builtins.end()) {
-        auto file = std::make_shared<Policy>(load_policy(source_));
+        const std::vector<uint8_t> image = read_policy_file(source_);
+        auto file = std::make_shared<Policy>(parse_policy_file(image, source_));
         check_identity(*file, identity_);
         file_ = std::move(file);
-        file_digest_ = file_digest_of(source_);
+        Fnv1a digest;
+        digest.add_bytes(image.data(), image.size());
+        file_digest_ = digest.hex();
     }
     const std::unique_ptr<EvictionPolicy> probe = make_policy();
     policy_name_ = probe->name();

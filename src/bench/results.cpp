@@ -123,7 +123,7 @@ void ResultLog::append(const json& record) {
     keys_.insert(RecordKey::of(record).str());
     records_.push_back(record);
     // A prediction cut off inside a multi-byte character is not valid UTF-8: its stray bytes are written as U+FFFD.
-    out_ << record.dump(-1, ' ', false, json::error_handler_t::replace) << '\n';
+    out_ << json_text(record) << '\n';
     out_.flush();
     if (!out_) throw std::runtime_error("cannot write to the results log " + path_);
 }
@@ -310,7 +310,7 @@ void write_csv_rows(const std::string& path, const std::vector<std::string>& col
             if (v.is_null()) text = "";
             else if (v.is_string()) text = v.get<std::string>();
             else if (v.is_number_float()) text = shortest(v.get<double>());
-            else text = v.dump(-1, ' ', false, json::error_handler_t::replace);
+            else text = json_text(v);
             out << (c ? "," : "") << csv_field(text);
         }
         out << '\n';

@@ -14,6 +14,11 @@ namespace kvp::bench {
 
 using json = nlohmann::ordered_json;  // keeps the field order of records and rows
 
+// JSON text (indent < 0: one line). A prediction can end inside a multi-byte character: its stray bytes become U+FFFD.
+inline std::string json_text(const json& value, int indent = -1) {
+    return value.dump(indent, ' ', false, json::error_handler_t::replace);
+}
+
 constexpr int64_t kUnbounded = 0;  // the budget of the `full` reference (null in JSON, empty in CSV)
 constexpr const char* kSchema = "kvp-bench/1";
 constexpr const char* kSharedMode = "shared";    // one token set for every head (stock llama.cpp)

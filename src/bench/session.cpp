@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
+#include "digest.h"
 #include "ggml.h"
 #include "kvp/engine.h"
 
@@ -206,25 +206,17 @@ void SequenceWriter::feed(std::span<const llama_token> tokens, size_t logits_fro
 }
 
 std::string SequenceWriter::kept_digest() const {
-    uint64_t hash = 0xcbf29ce484222325ull;
-    auto mix = [&](int64_t logical) {
-        for (int byte = 0; byte < 8; ++byte) {
-            hash ^= uint64_t(logical >> (8 * byte)) & 0xffu;
-            hash *= 0x100000001b3ull;
-        }
-    };
+    Fnv1a digest;
     if (engines_.empty()) {
-        for (int64_t i = 0; i < next_pos_; ++i) mix(i);  // the full cache holds every token
+        for (int64_t i = 0; i < next_pos_; ++i) digest.add_int64(i);  // the full cache holds every token
     } else {
         const Ledger& ledger = engines_.front()->ledger();
-        for (size_t i = 0; i < ledger.size(); ++i) mix(ledger.logical(i));
+        for (size_t i = 0; i < ledger.size(); ++i) digest.add_int64(ledger.logical(i));
         // per-head mode: which heads hold each token (a shared engine's digest is unchanged)
         for (size_t i = 0; i < ledger.size(); ++i)
-            for (int h = 0; h < ledger.n_holders(); ++h) mix(ledger.held(i, h));
+            for (int h = 0; h < ledger.n_holders(); ++h) digest.add_int64(ledger.held(i, h));
     }
-    char text[17];
-    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(hash));
-    return text;
+    return digest.hex();
 }
 
 // --- logits ---------------------------------------------------------------------------------------------------

@@ -229,16 +229,16 @@ std::vector<RecordKey> sweep_keys(const std::vector<Sample>& samples, const Swee
     return keys;
 }
 
-static void check_policy_files_unchanged(const ResultLog& log, const std::vector<Job>& jobs) {
-    for (const Job& job : jobs) {
-        const std::string& digest = job.policy->file_digest();
+static void check_policy_files_unchanged(const ResultLog& log, const std::vector<PolicyFactory>& policies) {
+    for (const PolicyFactory& policy : policies) {
+        const std::string& digest = policy.file_digest();
         if (digest.empty()) continue;
         for (const json& record : log.records()) {
             // logs written before the digest was recorded cannot be checked
-            if (record.value("policy", "") != job.policy->label() || !record.contains("policy_digest")) continue;
+            if (record.value("policy", "") != policy.label() || !record.contains("policy_digest")) continue;
             const std::string logged = record["policy_digest"].get<std::string>();
             if (logged != digest)
-                throw std::invalid_argument(log.path() + " holds results of " + job.policy->label() +
+                throw std::invalid_argument(log.path() + " holds results of " + policy.label() +
                                             " from another version of the file (digest " + logged + ", the file's is " +
                                             digest + " now): use another -o, or delete that policy's lines to "
                                             "recompute them");
@@ -248,8 +248,8 @@ static void check_policy_files_unchanged(const ResultLog& log, const std::vector
 
 SweepCounters run_sweep(Session& session, const std::vector<Sample>& samples, const SweepConfig& config,
                         ResultLog& log, const Evaluate& evaluate) {
+    check_policy_files_unchanged(log, config.policies);
     const std::vector<Job> jobs = all_jobs(config);
-    check_policy_files_unchanged(log, jobs);
     std::vector<std::vector<Job>> pending(samples.size());
     int64_t total = 0, resumed = 0;
     for (size_t s = 0; s < samples.size(); ++s) {
