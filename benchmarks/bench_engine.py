@@ -9,7 +9,11 @@ runs made side by side on the same machine state. Two regimes:
 The per-token split of the learned policy's overhead comes from kv_stats(): time inside the callback (copies,
 scoring) and the rest of the overhead, which is the graph splits and syncs the callback forces.
 
-    python benchmarks/bench_engine.py [--budget 1024] [--repeats 3] [--json out.json]
+With the patched llama.cpp loaded (KVP_CPP_LLAMA=per_head), the learned policy also runs with its MLP inside the
+decode graph (kv_scoring="graph": no eval callback; scores read back once per ubatch), side by side with the
+callback path.
+
+    [KVP_CPP_LLAMA=per_head] python benchmarks/bench_engine.py [--budget 1024] [--repeats 3] [--json out.json]
 """
 from __future__ import annotations
 
@@ -20,10 +24,11 @@ import statistics
 import tempfile
 import time
 
-import llama_cpp
-
-import kvp_cpp
+import kvp_cpp  # first: with KVP_CPP_LLAMA=per_head it makes llama_cpp load the patched library
+from kvp_cpp import _llama_lib
 from kvp_cpp import policy_file as pf
+
+import llama_cpp  # noqa: E402
 
 
 def measure(make, tokens, n_decode):
@@ -68,16 +73,27 @@ def main() -> None:
     regimes = {
         "no eviction (same n_ctx)": (prompt(args.budget - args.decode - 8), {
             "llama.cpp": lambda: llama_cpp.Llama(model, n_ctx=args.budget, **common),
-            "kvp (learned)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path, **common),
+            "kvp (learned)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
+                                                   kv_scoring="callback", **common),
+            "kvp (learned, in graph)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
+                                                             kv_scoring="graph", **common),
             "streaming": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy="streaming", **common),
         }),
         "prompt 4x budget": (prompt(4 * args.budget), {
             "llama.cpp": lambda: llama_cpp.Llama(model, n_ctx=4 * args.budget + args.decode + 16, **common),
-            "kvp (learned)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path, **common),
+            "kvp (learned)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
+                                                   kv_scoring="callback", **common),
+            "kvp (learned, in graph)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
+                                                             kv_scoring="graph", **common),
             "streaming": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy="streaming", **common),
         }),
     }
-    report = {"budget": args.budget, "hidden": list(hidden), "threads": args.threads, "regimes": {}}
+    in_graph = _llama_lib.loaded_library_is_patched("llama_kvp_scorer_init")
+    for _, makers in regimes.values():
+        if not in_graph:
+            del makers["kvp (learned, in graph)"]
+    report = {"budget": args.budget, "hidden": list(hidden), "threads": args.threads,
+              "library": "patched" if in_graph else "stock", "regimes": {}}
     for regime, (tokens, makers) in regimes.items():
         runs = {name: [] for name in makers}
         for _ in range(args.repeats):
@@ -104,6 +120,10 @@ def main() -> None:
         if split:
             print(f"\nkvp per token: callback {split['callback']:.4f} ms (copies {split['copy']:.4f}, scoring "
                   f"{split['score']:.4f}), eviction {split['evict']:.4f} ms")
+        split = rows.get("kvp (learned, in graph)", {}).get("per_token_ms")
+        if split:
+            print(f"kvp in graph per token: reading the scores back {split['score']:.4f} ms, eviction "
+                  f"{split['evict']:.4f} ms")
         report["regimes"][regime] = rows
     if args.json:
         with open(args.json, "w") as f:

@@ -253,7 +253,8 @@ NB_MODULE(_core, m) {
             "__init__",
             [](kvp::Engine* self, uintptr_t model, const std::string& policy, int64_t budget, int64_t n_sink,
                int64_t n_recent, const std::string& position_mode, double evict_fraction, const std::string& combine,
-               int64_t compact_limit, uint64_t seed, const std::string& kernel, int n_threads, bool per_head) {
+               int64_t compact_limit, uint64_t seed, const std::string& kernel, int n_threads, bool per_head,
+               const std::string& scoring) {
                 const auto* llama_model_ptr = reinterpret_cast<const llama_model*>(model);
                 kvp::PolicyOptions options{seed, kernel, n_threads};
                 kvp::EngineConfig config;
@@ -263,6 +264,7 @@ NB_MODULE(_core, m) {
                 config.combine = kvp::head_combine_from_name(combine);
                 config.compact_limit = compact_limit;
                 config.per_head = per_head;
+                config.scoring = kvp::scoring_path_from_name(scoring);
                 auto made = kvp::make_policy(policy, kvp::model_identity(llama_model_ptr), options);
                 // Negative counts mean "what the policy was trained with".
                 if (n_sink > UINT32_MAX || n_recent > UINT32_MAX) throw std::invalid_argument("kv_sink/kv_recent too large");
@@ -272,12 +274,13 @@ NB_MODULE(_core, m) {
             },
             "model"_a, "policy"_a, "budget"_a, "n_sink"_a = -1, "n_recent"_a = -1, "position_mode"_a = "compact",
             "evict_fraction"_a = 0.0625, "combine"_a = "sum_softmax", "compact_limit"_a = 0, "seed"_a = 0,
-            "kernel"_a = "auto", "n_threads"_a = 0, "per_head"_a = false)
+            "kernel"_a = "auto", "n_threads"_a = 0, "per_head"_a = false, "scoring"_a = "auto")
         .def_prop_ro("callback_address",
                      [](const kvp::Engine& e) {
                          return e.needs_callback() ? reinterpret_cast<uintptr_t>(&kvp::Engine::eval_callback) : uintptr_t(0);
                      })
         .def_prop_ro("address", [](kvp::Engine& e) { return reinterpret_cast<uintptr_t>(&e); })
+        .def_prop_ro("scores_in_graph", &kvp::Engine::scores_in_graph)
         .def_prop_ro("policy_name", [](const kvp::Engine& e) { return e.policy().name(); })
         .def_prop_ro("identity", [](const kvp::Engine& e) { return identity_dict(e.identity()); })
         .def_prop_ro("max_batch", &kvp::Engine::max_batch)

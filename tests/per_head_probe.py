@@ -435,6 +435,98 @@ def scenario_kv_mode_errors(args):
     return said
 
 
+def scenario_graph_scores(args):
+    """The same prompt (~715 tokens; 256 cells unless args say otherwise) through the eval-callback scorer and
+    through llama.cpp's in-graph scorer: each path's ledger (logical indices and score rows), counters and text."""
+    runs = {}
+    for scoring in ("callback", "graph"):
+        llm = kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=args.get("budget", 256), n_batch=128,
+                            kv_policy=args["policy"],
+                            kv_mode=args.get("kv_mode", "shared"), kv_position_mode=args.get("position_mode"),
+                            kv_compact_limit=args.get("compact_limit", 0), kv_scoring=scoring, flash_attn=True,
+                            seed=0, verbose=False, n_threads=2)
+        engine = llm._kvp_engine
+        out = llm.create_completion(PROMPT * 12, max_tokens=8, temperature=0.0)
+        ledger, stats = engine.ledger(), llm.kv_stats()
+        runs[scoring] = {"in_graph": engine.scores_in_graph, "callback": engine.callback_address != 0,
+                         "logical": ledger["logical"].tolist(), "scores": ledger["scores"].tolist(),
+                         "text": out["choices"][0]["text"], "tokens_evicted": stats["tokens_evicted"],
+                         "compactions": stats["compactions"]}
+        del llm
+    return runs
+
+
+def scenario_scoring_choice(args):
+    """Which path kv_scoring picks, and what it says when it cannot (run on the stock and on the patched library)."""
+    said = {}
+    for name, kwargs in (("auto_kvp", {"kv_policy": "kvp"}),
+                         ("graph_kvp", {"kv_policy": "kvp", "kv_scoring": "graph"}),
+                         ("callback_kvp", {"kv_policy": "kvp", "kv_scoring": "callback"}),
+                         ("graph_keydiff", {"kv_policy": "keydiff", "kv_scoring": "graph"}),
+                         ("bogus", {"kv_policy": "kvp", "kv_scoring": "gpu"})):
+        try:
+            llm = kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=256, verbose=False, **kwargs)
+            said[name] = {"in_graph": llm._kvp_engine.scores_in_graph,
+                          "callback": llm._kvp_engine.callback_address != 0}
+        except (ValueError, RuntimeError) as e:
+            said[name] = f"{type(e).__name__}: {e}"
+    return said
+
+
+def scenario_scorer_api(args):
+    """llama_kvp_scorer_* called directly: refused arguments, and scores only for the layers that were set."""
+    lib = llama_cpp.llama_cpp._lib
+    i32p, f32p = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float)
+    lib.llama_kvp_scorer_init.argtypes = [ctypes.c_void_p, ctypes.c_int32, i32p, ctypes.c_int32, ctypes.c_int32,
+                                          i32p, f32p]
+    lib.llama_kvp_scorer_init.restype = ctypes.c_int32
+    lib.llama_kvp_scorer_set_layer.argtypes = [ctypes.c_void_p, ctypes.c_int32, f32p, f32p,
+                                               ctypes.POINTER(f32p), ctypes.POINTER(f32p)]
+    lib.llama_kvp_scorer_set_layer.restype = ctypes.c_int32
+    lib.llama_kvp_scorer_scores.argtypes = [ctypes.c_void_p, ctypes.c_int32, i32p]
+    lib.llama_kvp_scorer_scores.restype = f32p
+    lib.llama_kvp_scorer_free.argtypes = [ctypes.c_void_p]
+
+    llm = make_llama(n_ctx=256)
+    ctx = llm._ctx.ctx
+    H, D, hidden = 3, 64 + 64 + 1, 4
+
+    def ints(*v):
+        return (ctypes.c_int32 * len(v))(*v)
+
+    kinds, a = ints(2), (ctypes.c_float * 1)(0.01)
+    result = {
+        "set_before_init": lib.llama_kvp_scorer_set_layer(ctx, 0, None, None, None, None),
+        "bad_width": lib.llama_kvp_scorer_init(ctx, 2, ints(D + 1, hidden, 1), 0, 1, kinds, a),
+        "bad_last": lib.llama_kvp_scorer_init(ctx, 2, ints(D, hidden, 2), 0, 1, kinds, a),
+        "bad_activation": lib.llama_kvp_scorer_init(ctx, 2, ints(D, hidden, 1), 9, 1, kinds, a),
+        "bad_kind": lib.llama_kvp_scorer_init(ctx, 2, ints(D, hidden, 1), 0, 1, ints(7), a),
+        "ok": lib.llama_kvp_scorer_init(ctx, 2, ints(D, hidden, 1), 0, 1, kinds, a),
+    }
+    rng = np.random.default_rng(0)
+    shift = np.zeros((H, D), np.float32)
+    scale = np.full((H, D), 0.1, np.float32)
+    w = [rng.standard_normal((H, hidden, D)).astype(np.float32), rng.standard_normal((H, 1, hidden)).astype(np.float32)]
+    b = [np.zeros((H, hidden), np.float32), np.zeros((H, 1), np.float32)]
+    ptr = lambda x: x.ctypes.data_as(f32p)  # noqa: E731
+    result["bad_layer"] = lib.llama_kvp_scorer_set_layer(ctx, 30, ptr(shift), ptr(scale), (f32p * 2)(*map(ptr, w)),
+                                                         (f32p * 2)(*map(ptr, b)))
+    result["set_layer_3"] = lib.llama_kvp_scorer_set_layer(ctx, 3, ptr(shift), ptr(scale), (f32p * 2)(*map(ptr, w)),
+                                                           (f32p * 2)(*map(ptr, b)))
+    tokens = tokens_of(llm, PROMPT)
+    decode(llm, tokens, 0)
+    n = ctypes.c_int32(-1)
+    got = lib.llama_kvp_scorer_scores(ctx, 3, ctypes.byref(n))
+    result["n_scored"] = n.value
+    result["layer_3"] = np.ctypeslib.as_array(got, shape=(n.value, H)).tolist() if got else None
+    result["layer_4_is_null"] = not bool(lib.llama_kvp_scorer_scores(ctx, 4, ctypes.byref(n))) and n.value == 0
+    result["n_tokens"] = len(tokens)
+    lib.llama_kvp_scorer_free(ctx)
+    decode(llm, llm.tokenize(b" more", add_bos=False), len(tokens))
+    result["freed_is_null"] = not bool(lib.llama_kvp_scorer_scores(ctx, 3, ctypes.byref(n)))
+    return result
+
+
 def loaded_libraries():
     """The libllama/libggml files mapped into this process (/proc/self/maps), resolved."""
     import os

@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kvp_cpp import _llama_lib
@@ -319,3 +320,100 @@ def test_bench_speed_reports_per_head_against_shared(tmp_path, model_path):
     assert per_head["tokens_evicted"] >= 160 + 4 - 64
     header = [cell.strip() for cell in result.stdout.splitlines()[0].strip("|").split("|")]
     assert header[:2] == ["policy", "kv mode"] and "prefill vs shared" in header and "decode vs shared" in header
+
+
+# ------------------------------------------------------------------------- in-graph scoring (llama_kvp_scorer_*)
+
+
+def _random_policy_file(tmp_path, name, **kwargs):
+    from kvp_cpp import policy_file
+
+    path = tmp_path / f"{name}.kvp.bin"
+    policy_file.write_policy(path, policy_file.random_policy(**policy_file.smollm2_identity(), **kwargs))
+    return str(path)
+
+
+GRAPH_CASES = {
+    # Random policies, with a cache that holds the whole prompt: every token's K and V are the same on both paths,
+    # so every score must be. (Once caches differ, later tokens' K and V differ too: a near-tie that the two
+    # summation orders break differently changes what a layer attends to.)
+    "f16_gelu_sincos": (lambda tmp: _random_policy_file(
+        tmp, "f16", hidden=(16, 8), activation="gelu_tanh", weight_dtype="f16", seed=3,
+        pos=[(2, 0.01), (3, 0.003), (1, 9.0)]), {"budget": 1024}, 1e-3),
+    "f16_gelu_sincos_per_head": (lambda tmp: _random_policy_file(
+        tmp, "f16", hidden=(16, 8), activation="gelu_tanh", weight_dtype="f16", seed=3,
+        pos=[(2, 0.01), (3, 0.003), (1, 9.0)]), {"budget": 1024, "kv_mode": "per_head"}, 1e-3),
+    "silu_half_layers_no_pos": (lambda tmp: _random_policy_file(
+        tmp, "silu", hidden=(8,), activation="silu", seed=4, pos=[],
+        layer_scored=[l % 2 == 0 for l in range(30)]), {"budget": 1024}, 1e-5),
+    "tanh": (lambda tmp: _random_policy_file(tmp, "tanh", hidden=(12,), activation="tanh", seed=5),
+             {"budget": 1024}, 1e-5),
+    # The shipped policy under eviction: compact positions that shift down every ~60 tokens (the features use the
+    # position offset), and per-head eviction; the same scores, evictions and text.
+    "shipped_compact": (lambda tmp: str(KVP_FILE), {"compact_limit": 300}, 1e-5),
+    "shipped_per_head": (lambda tmp: str(KVP_FILE), {"kv_mode": "per_head"}, 1e-5),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
+def test_in_graph_scores_equal_the_callback_path(tmp_path, case):
+    """kv_scoring="graph" (the policy's MLP as ggml operations inside llama.cpp's decode graph, read back once per
+    ubatch, no eval callback) against kv_scoring="callback" (K/V copied out by the callback, scored by the C++
+    scorer): the same score for every (token, layer, head) to 1e-5 relative (1e-3 for f16 weights)."""
+    make_policy, args, tolerance = GRAPH_CASES[case]
+    runs = run_probe("graph_scores", dict(args, policy=make_policy(tmp_path)), patched=True)
+    callback, graph = runs["callback"], runs["graph"]
+    assert (callback["in_graph"], callback["callback"]) == (False, True)
+    assert (graph["in_graph"], graph["callback"]) == (True, False)
+    if args.get("budget", 256) == 256:
+        assert callback["tokens_evicted"] > 300
+    else:
+        assert callback["tokens_evicted"] == 0 and len(callback["logical"]) > 700
+    if "compact_limit" in args:
+        assert callback["compactions"] > 0
+    assert graph["logical"] == callback["logical"]
+    expected, got = np.array(callback["scores"]), np.array(graph["scores"])
+    assert expected.shape == got.shape and expected.shape[1] >= 45
+    assert np.abs(expected).max() > 0.1
+    np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance * np.abs(expected).max())
+    assert (graph["text"], graph["tokens_evicted"], graph["compactions"]) == (
+        callback["text"], callback["tokens_evicted"], callback["compactions"])
+
+
+def test_scoring_path_choice_and_errors():
+    """kv_scoring="auto" runs a learned policy in the graph on the patched library and through the callback on the
+    stock one; "graph" explains what is missing on the stock library and refuses heuristics; bad names are named."""
+    stock = run_probe("scoring_choice", patched=False)
+    assert stock["auto_kvp"] == {"in_graph": False, "callback": True}
+    assert stock["graph_kvp"].startswith("RuntimeError") and "KVP_CPP_LLAMA=per_head" in stock["graph_kvp"]
+    assert stock["bogus"].startswith("ValueError") and "kv_scoring" in stock["bogus"]
+    patched = run_probe("scoring_choice", patched=True)
+    assert patched["auto_kvp"] == {"in_graph": True, "callback": False}
+    assert patched["callback_kvp"] == {"in_graph": False, "callback": True}
+    assert patched["graph_keydiff"].startswith("ValueError") and "'keydiff' is not one" in patched["graph_keydiff"]
+
+
+def test_scorer_api_refuses_bad_arguments_and_scores_only_set_layers():
+    r = run_probe("scorer_api", patched=True)
+    assert r["set_before_init"] == -2  # LLAMA_KVP_ERR_NOT_ENABLED
+    assert r["bad_width"] == r["bad_last"] == r["bad_activation"] == r["bad_kind"] == -3  # LLAMA_KVP_ERR_ARG
+    assert r["ok"] == 0 and r["bad_layer"] == -3 and r["set_layer_3"] == 0
+    assert r["n_scored"] == r["n_tokens"]
+    scores = np.array(r["layer_3"])
+    assert scores.shape == (r["n_tokens"], 3) and np.isfinite(scores).all() and np.ptp(scores) > 0
+    assert r["layer_4_is_null"] and r["freed_is_null"]
+
+
+def test_bench_scoring_paths_agree(tmp_path, model_path, bench_tasks):
+    """kvp-bench --scoring graph (the patched library, which the launcher loads) gives the results of --scoring
+    callback (the stock library) for the shipped policy."""
+    common = ["-m", model_path, "--tasks", str(bench_tasks), "--budgets", ",".join(map(str, BENCH_BUDGETS)),
+              "--max-new-tokens", "8", "--variants", "question_included", "--policies", "kvp", "-t", "2"]
+    runs = {}
+    for scoring in ("callback", "graph"):
+        out = tmp_path / f"{scoring}.json"
+        launch_bench(*common, "--scoring", scoring, "-o", str(out))
+        assert json.loads(out.read_text())["config"]["scoring"] == scoring
+        runs[scoring] = {(r["task"], r["index"], r["budget"]): (r["prediction"], r["kept_digest"])
+                         for r in bench_records(out)}
+    assert runs["graph"] == runs["callback"] and len(runs["graph"]) >= len(BENCH_BUDGETS)

@@ -25,6 +25,8 @@ struct llama_model;
 
 namespace kvp {
 
+class GraphScorer;
+
 enum class PositionMode {
     original,  // a token keeps its position forever
     compact,   // positions are shifted down over evicted gaps, lazily, when the next one would pass compact_limit
@@ -33,6 +35,17 @@ PositionMode position_mode_from_name(const std::string& name);  // throws std::i
 // Whether the libllama this process loaded is the patched one with per-head eviction (llama_kvp_*).
 bool per_head_available();
 const char* position_mode_name(PositionMode mode);
+
+// Where a learned policy's MLP runs.
+enum class ScoringPath {
+    automatic,  // in the graph when the loaded libllama can (the patched one), else through the eval callback
+    callback,   // on the CPU, on K/V copied out of the graph by the eval callback
+    graph,      // inside llama.cpp's decode graph, on the layer's backend (llama_kvp_scorer_*; patched library)
+};
+ScoringPath scoring_path_from_name(const std::string& name);  // auto, callback, graph; throws std::invalid_argument
+const char* scoring_path_name(ScoringPath path);
+// Whether the libllama this process loaded can score inside the decode graph (llama_kvp_scorer_*).
+bool graph_scoring_available();
 
 struct EngineConfig {
     int64_t budget = 0;            // cells this sequence may hold
@@ -46,6 +59,7 @@ struct EngineConfig {
     // Per-head mode: every (layer, KV head) of the cache evicts its own tokens (llama_kvp_* of the patched
     // llama.cpp, looked up at attach time). Needs position_mode original.
     bool per_head = false;
+    ScoringPath scoring = ScoringPath::automatic;
 };
 
 struct EngineStats {
@@ -80,6 +94,8 @@ public:
     // Null when the policy needs no capture (then no callback is installed and decoding runs at full speed).
     static bool eval_callback(ggml_tensor* tensor, bool ask, void* user_data);
     bool needs_callback() const { return !capture_layer_.empty(); }
+    // Whether the policy's scores come from llama.cpp's decode graph (decided at construction).
+    bool scores_in_graph() const { return graph_scorer_ != nullptr; }
 
     // Binds the engine to the context it sits in (created with the callback above). Clears the sequence.
     void attach(llama_context* ctx);
@@ -157,6 +173,7 @@ private:
     void evict_per_head(size_t n_evict);
     void check_budget(int64_t budget, const char* action) const;
     Ledger parse_image(const uint8_t* data, size_t size, int64_t* next_logical) const;
+    std::string store_graph_scores();
 
     EngineConfig config_;
     ModelIdentity identity_;
@@ -164,6 +181,8 @@ private:
     llama_context* ctx_ = nullptr;
     // llama_kvp_evict of the patched llama.cpp (per-head mode), found with dlsym on the loaded libllama
     int32_t (*kvp_evict_)(llama_context*, int32_t, const int32_t*) = nullptr;
+    // the policy's MLP when llama.cpp runs it in the graph (ScoringPath)
+    std::unique_ptr<GraphScorer> graph_scorer_;
     Ledger ledger_;
     std::vector<uint8_t> capture_layer_;    // per model layer: CaptureFlags; empty if nothing is captured
     uint32_t n_head_ = 0;                   // query heads

@@ -42,6 +42,14 @@ public:
         (void)layer, (void)k, (void)v, (void)original_pos, (void)logical, (void)rows, (void)row_stride;
     }
 
+    // The MLP that score_kv runs, for llama.cpp to run inside the decode graph instead (the patched library's
+    // in-graph scoring); null for policies that score otherwise. A policy that returns one takes the scores the
+    // graph computed for a layer, [n][n_head_kv], through store_graph_scores, in place of score_kv.
+    virtual const Policy* graph_scorer() const { return nullptr; }
+    virtual void store_graph_scores(int layer, const float* scores, int64_t n, float* rows, size_t row_stride) {
+        (void)layer, (void)scores, (void)n, (void)rows, (void)row_stride;
+    }
+
     // Layers whose post-RoPE queries (Qcur-<layer>) the hook must capture, for attention-based policies.
     virtual std::vector<int> query_layers() const { return {}; }
     // The queries of one layer for the tokens of a ubatch (q.n_head = the model's query heads).

@@ -106,15 +106,24 @@ def select_library() -> str:
     return mode
 
 
-def loaded_library_is_patched() -> bool:
-    """Whether the libllama that llama_cpp loaded has the per-head functions."""
+def loaded_library_is_patched(symbol: str = "llama_kvp_enable") -> bool:
+    """Whether the libllama that llama_cpp loaded has the patched functions (per-head eviction by default)."""
     module = sys.modules.get("llama_cpp.llama_cpp")
-    return module is not None and hasattr(module._lib, "llama_kvp_enable")
+    return module is not None and hasattr(module._lib, symbol)
 
 
 def require_per_head() -> None:
     """Raises RuntimeError saying what to do unless the process runs the patched llama.cpp."""
-    if loaded_library_is_patched():
+    _require_patched("llama_kvp_enable", "per-head KV eviction")
+
+
+def require_graph_scoring() -> None:
+    """Raises RuntimeError saying what to do unless the loaded llama.cpp can score inside the decode graph."""
+    _require_patched("llama_kvp_scorer_init", "kv_scoring='graph'")
+
+
+def _require_patched(symbol: str, feature: str) -> None:
+    if loaded_library_is_patched(symbol):
         return
     if "llama_cpp.llama_cpp" not in sys.modules:
         raise RuntimeError("llama_cpp is not imported yet")
@@ -126,4 +135,4 @@ def require_per_head() -> None:
     else:
         how = ("llama_cpp was imported before kvp_cpp, with the stock library, and a loaded library cannot be "
                "swapped: import kvp_cpp first (or set LLAMA_CPP_LIB_PATH=" + str(lib_dir()) + ")")
-    raise RuntimeError("per-head KV eviction needs the patched llama.cpp; " + how)
+    raise RuntimeError(f"{feature} needs the patched llama.cpp; " + how)

@@ -110,16 +110,25 @@ def default_policies(model_path: str) -> str:
 
 
 def environment(cmd: Sequence[str]) -> Dict[str, str]:
-    """The binary's environment: with ``--kv-modes`` naming per_head, the patched llama.cpp's folder first on
-    ``LD_LIBRARY_PATH`` (searched before the binary's RUNPATH), so that the binary loads that build."""
+    """The binary's environment: with ``--kv-modes`` naming per_head or ``--scoring graph``, the patched
+    llama.cpp's folder first on ``LD_LIBRARY_PATH`` (searched before the binary's RUNPATH), so that the binary loads
+    that build."""
     env = dict(os.environ)
     args = list(cmd)
-    if "--kv-modes" not in args[:-1] or "per_head" not in args[args.index("--kv-modes") + 1].split(","):
+
+    def value(flag: str) -> str:
+        return args[args.index(flag) + 1] if flag in args[:-1] else ""
+
+    if "per_head" in value("--kv-modes").split(","):
+        needs = "--kv-modes per_head"
+    elif value("--scoring") == "graph":
+        needs = "--scoring graph"
+    else:
         return env
     from . import _llama_lib
 
     if not _llama_lib.is_built():
-        raise SystemExit(f"kvp-bench: --kv-modes per_head needs the patched llama.cpp, which is not built "
+        raise SystemExit(f"kvp-bench: {needs} needs the patched llama.cpp, which is not built "
                          f"({_llama_lib.lib_dir()}): run `{_llama_lib.BUILD_COMMAND}` once (about 3-5 minutes)")
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(_llama_lib.lib_dir()), env.get("LD_LIBRARY_PATH")) if p)
     return env

@@ -31,6 +31,8 @@ POSITION_MODES = ("compact", "original")
 #: shared: one token set for all heads (stock llama.cpp); per_head: each (layer, KV head) keeps its own (the
 #: patched llama.cpp, KVP_CPP_LLAMA=per_head; see docs/per_head.md)
 KV_MODES = ("shared", "per_head")
+#: where a learned policy's MLP runs: auto (graph when the patched llama.cpp is loaded), callback, graph
+SCORING_PATHS = ("auto", "callback", "graph")
 HEAD_COMBINES = ("sum_softmax", "max_softmax", "mean", "mean_rank")
 
 
@@ -146,6 +148,9 @@ class Llama(llama_cpp.Llama):
     - ``kv_seed``: seed of the ``random`` policy, an integer in [0, 2**64). ``kv_max_tokens``: the logical length
       limit (default 2**20).
     - ``kv_kernel`` / ``kv_threads``: scorer kernel (``"auto"`` or a name from ``available_kernels()``) and threads.
+    - ``kv_scoring``: where a learned policy's MLP runs: ``"auto"`` (default: inside llama.cpp's decode graph when
+      the patched llama.cpp is loaded, else on the CPU through the eval callback), ``"callback"`` or ``"graph"``
+      (the patched llama.cpp; see docs/per_head.md). Both give the same scores.
     """
 
     def __init__(
@@ -165,6 +170,7 @@ class Llama(llama_cpp.Llama):
         kv_max_tokens: int = DEFAULT_MAX_TOKENS,
         kv_kernel: str = "auto",
         kv_threads: int = 0,
+        kv_scoring: str = "auto",
         **kwargs: Any,
     ):
         self._kvp_engine: Optional[_core.Engine] = None
@@ -177,7 +183,7 @@ class Llama(llama_cpp.Llama):
             kv_policy=kv_policy, kv_mode=kv_mode, kv_budget=kv_budget, kv_sink=kv_sink, kv_recent=kv_recent,
             kv_position_mode=kv_position_mode, kv_evict_fraction=kv_evict_fraction, kv_head_combine=kv_head_combine,
             kv_seed=kv_seed, kv_compact_limit=kv_compact_limit, kv_max_tokens=kv_max_tokens, kv_kernel=kv_kernel,
-            kv_threads=kv_threads,
+            kv_threads=kv_threads, kv_scoring=kv_scoring,
         )
         if kv_policy is None:
             if kv_mode != "shared":
@@ -198,7 +204,7 @@ class Llama(llama_cpp.Llama):
             n_sink=-1 if kv_sink is None else int(kv_sink), n_recent=-1 if kv_recent is None else int(kv_recent),
             position_mode=kv_position_mode, evict_fraction=float(kv_evict_fraction), combine=kv_head_combine,
             compact_limit=int(kv_compact_limit), seed=int(kv_seed), kernel=kv_kernel, n_threads=int(kv_threads),
-            per_head=kv_mode == "per_head",
+            per_head=kv_mode == "per_head", scoring=kv_scoring,
         )
         self._check_kv_cache_fits(int(budget))
         self._recreate_context(engine, int(budget))
@@ -250,6 +256,10 @@ class Llama(llama_cpp.Llama):
             if args["kv_position_mode"] != "original":
                 raise ValueError("kv_mode='per_head' keeps original positions: kv_position_mode must be 'original'")
             _llama_lib.require_per_head()  # RuntimeError naming what to do when the patched llama.cpp is not loaded
+        if args["kv_scoring"] not in SCORING_PATHS:
+            raise ValueError(f"kv_scoring must be one of {SCORING_PATHS}, got {args['kv_scoring']!r}")
+        if args["kv_scoring"] == "graph":
+            _llama_lib.require_graph_scoring()
         if args["kv_position_mode"] not in POSITION_MODES:
             raise ValueError(f"kv_position_mode must be one of {POSITION_MODES}, got {args['kv_position_mode']!r}")
         if args["kv_head_combine"] not in HEAD_COMBINES:

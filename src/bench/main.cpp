@@ -67,6 +67,8 @@ engine
                             and evicts its own tokens; the patched llama.cpp of python -m kvp_cpp.llama_build, which
                             the launcher loads), or both: every policy runs in each, side by side. With per_head,
                             every engine keeps original positions (docs/per_head.md)
+  --scoring PATH             where learned policies' MLPs run: auto (default: in llama.cpp's decode graph with the
+                            patched llama.cpp, else on the CPU through the eval callback), callback, graph
   --seed N                  seed of the random policy (default 0)
 
 llama.cpp
@@ -167,6 +169,7 @@ Options parse_args(int argc, char** argv) {
         else if (flag == "--recent") o.engine.n_recent = parse_int(flag, value(), 1);
         else if (flag == "--combine") o.engine.combine = head_combine_from_name(value());
         else if (flag == "--evict-fraction") o.engine.evict_fraction = parse_fraction(flag, value());
+        else if (flag == "--scoring") o.engine.scoring = scoring_path_from_name(value());
         else if (flag == "--kv-modes") {
             o.kv_modes = split_list(value());
             if (o.kv_modes.empty()) throw UsageError("--kv-modes is empty");
@@ -348,7 +351,7 @@ int run_speed_benchmark(const Options& o) {
                     {"decode_tokens", o.decode_tokens}, {"tokens", o.text_path.empty() ? "random" : o.text_path},
                     {"threads", o.n_threads}, {"batch_size", o.n_batch}, {"flash_attn", o.flash_attn},
                     {"combine", head_combine_name(o.engine.combine)}, {"evict_fraction", o.engine.evict_fraction},
-                    {"kv_modes", o.kv_modes}}},
+                    {"kv_modes", o.kv_modes}, {"scoring", scoring_path_name(o.engine.scoring)}}},
         {"run", run_json(wall)},
         {"files", {{"csv", csv_path}}},
         {"speed", rows}};
@@ -427,6 +430,7 @@ int run_benchmark(const Options& o) {
                         {"combine", head_combine_name(o.engine.combine)},
                         {"evict_fraction", o.engine.evict_fraction},
                         {"kv_modes", o.kv_modes},
+                        {"scoring", scoring_path_name(o.engine.scoring)},
                         {"threads", o.n_threads},
                         {"batch_size", o.n_batch},
                         {"flash_attn", o.flash_attn}};

@@ -7,6 +7,7 @@
 
 #include <dlfcn.h>
 
+#include "graph_scorer.h"
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "llama.h"
@@ -60,6 +61,23 @@ void* kvp_symbol(const char* name) {
 }  // namespace
 
 bool per_head_available() { return kvp_symbol("llama_kvp_evict") != nullptr; }
+
+bool graph_scoring_available() { return GraphScorer::available(); }
+
+ScoringPath scoring_path_from_name(const std::string& name) {
+    if (name == "auto") return ScoringPath::automatic;
+    if (name == "callback") return ScoringPath::callback;
+    if (name == "graph") return ScoringPath::graph;
+    throw std::invalid_argument("unknown scoring path '" + name + "' (auto, callback, graph)");
+}
+
+const char* scoring_path_name(ScoringPath path) {
+    switch (path) {
+        case ScoringPath::callback: return "callback";
+        case ScoringPath::graph: return "graph";
+        default: return "auto";
+    }
+}
 
 PositionMode position_mode_from_name(const std::string& name) {
     if (name == "original") return PositionMode::original;
@@ -128,7 +146,14 @@ Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy,
             any = true;
         }
     };
-    request(policy_->capture_layers(), kCaptureKV);
+    const Policy* mlp = policy_->graph_scorer();
+    if (config_.scoring == ScoringPath::graph && !mlp)
+        throw std::invalid_argument("kv_scoring='graph' runs a learned policy's MLP in llama.cpp's graph; '" +
+                                    policy_->name() + "' is not one");
+    if (mlp && (config_.scoring == ScoringPath::graph ||
+                (config_.scoring == ScoringPath::automatic && GraphScorer::available())))
+        graph_scorer_ = std::make_unique<GraphScorer>(*mlp);  // throws if the loaded libllama lacks it
+    if (!graph_scorer_) request(policy_->capture_layers(), kCaptureKV);
     request(policy_->query_layers(), kCaptureQ);
     if (!any) capture_layer_.clear();
     captures_.resize(identity_.n_layer);
@@ -167,6 +192,7 @@ void Engine::attach(llama_context* ctx) {
                                         "every layer (" + std::to_string(n_heads) + ") or one per token; this one has " +
                                         std::to_string(n_columns));
     }
+    if (graph_scorer_) graph_scorer_->upload(ctx);
     ctx_ = ctx;
     reset();
     ledger_.set_holders(n_heads);
@@ -315,13 +341,31 @@ int64_t Engine::begin_batch(int n) {
         cap.have_k = cap.have_v = false;
     }
     capture_error_.clear();
+    if (graph_scorer_) graph_scorer_->set_pos_offset(ctx_, next_logical_ - first_pos);
     in_batch_ = true;
     return first_pos;
+}
+
+std::string Engine::store_graph_scores() {
+    const auto start = Clock::now();
+    if (!graph_scorer_->current(ctx_))
+        return "another policy's scorer was uploaded to this llama_context since this engine attached";
+    for (int layer : graph_scorer_->layers()) {
+        int64_t n = 0;
+        const float* scores = graph_scorer_->scores(ctx_, layer, &n);
+        if (!scores || n != pending_n_)
+            return "layer " + std::to_string(layer) + ": llama.cpp scored " + std::to_string(n) + " of " +
+                   std::to_string(pending_n_) + " tokens in the graph (was the batch decoded with llama_decode?)";
+        policy_->store_graph_scores(layer, scores, n, ledger_.scores(pending_begin_), size_t(ledger_.n_columns()));
+    }
+    stats_.score_seconds += seconds_since(start);
+    return "";
 }
 
 void Engine::end_batch() {
     if (!in_batch_) throw std::logic_error("end_batch without begin_batch");
     std::string error = capture_error_;
+    if (error.empty() && graph_scorer_) error = store_graph_scores();
     for (size_t layer = 0; error.empty() && layer < capture_layer_.size(); ++layer) {
         const LayerCapture& cap = captures_[layer];
         const bool kv_short = (capture_layer_[layer] & kCaptureKV) && cap.rows_done != pending_n_;

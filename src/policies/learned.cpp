@@ -11,7 +11,8 @@ namespace {
 class LearnedPolicy final : public EvictionPolicy {
 public:
     LearnedPolicy(std::shared_ptr<const Policy> file, const KernelSet& kernels, int n_threads)
-        : scorer_(file, kernels, n_threads),
+        : file_(file),
+          scorer_(file, kernels, n_threads),
           n_head_(int(file->identity.n_head_kv)),
           default_sink_(file->n_sink),
           default_recent_(file->n_recent) {
@@ -34,12 +35,24 @@ public:
         const int64_t n = k.n_token;
         scratch_.resize(size_t(n) * n_head_);
         scorer_.score_layer(layer, k, v, original_pos, scratch_.data());
-        const int column = column_of_layer_.at(layer);
-        for (int64_t t = 0; t < n; ++t)
-            for (int h = 0; h < n_head_; ++h) rows[t * row_stride + column + h] = scratch_[t * n_head_ + h];
+        store_scores(layer, scratch_.data(), n, rows, row_stride);
+    }
+
+    const Policy* graph_scorer() const override { return file_.get(); }
+
+    void store_graph_scores(int layer, const float* scores, int64_t n, float* rows, size_t row_stride) override {
+        store_scores(layer, scores, n, rows, row_stride);
     }
 
 private:
+    // scores [n][n_head_kv] of one layer -> that layer's columns of the rows
+    void store_scores(int layer, const float* scores, int64_t n, float* rows, size_t row_stride) const {
+        const int column = column_of_layer_.at(layer);
+        for (int64_t t = 0; t < n; ++t)
+            for (int h = 0; h < n_head_; ++h) rows[t * row_stride + column + h] = scores[t * n_head_ + h];
+    }
+
+    std::shared_ptr<const Policy> file_;
     Scorer scorer_;
     int n_head_;
     uint32_t default_sink_, default_recent_;
