@@ -150,8 +150,12 @@ Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy,
     if (config_.scoring == ScoringPath::graph && !mlp)
         throw std::invalid_argument("kv_scoring='graph' runs a learned policy's MLP in llama.cpp's graph; '" +
                                     policy_->name() + "' is not one");
+    // the patched llama.cpp scores in the plain KV cache's attention only: not Gemma 3's sliding-window cache
+    const bool plain_cache = llama_model_n_swa(model) <= 0;
+    if (config_.scoring == ScoringPath::graph && !plain_cache)
+        throw std::invalid_argument("kv_scoring='graph' needs a model without sliding-window layers");
     if (mlp && (config_.scoring == ScoringPath::graph ||
-                (config_.scoring == ScoringPath::automatic && GraphScorer::available())))
+                (config_.scoring == ScoringPath::automatic && plain_cache && GraphScorer::available())))
         graph_scorer_ = std::make_unique<GraphScorer>(*mlp);  // throws if the loaded libllama lacks it
     if (!graph_scorer_) request(policy_->capture_layers(), kCaptureKV);
     request(policy_->query_layers(), kCaptureQ);
