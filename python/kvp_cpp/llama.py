@@ -150,7 +150,7 @@ class Llama(llama_cpp.Llama):
     - ``kv_kernel`` / ``kv_threads``: scorer kernel (``"auto"`` or a name from ``available_kernels()``) and threads.
     - ``kv_scoring``: where a learned policy's MLP runs: ``"auto"`` (default: inside llama.cpp's decode graph when
       the patched llama.cpp is loaded, else on the CPU through the eval callback), ``"callback"`` or ``"graph"``
-      (the patched llama.cpp; see docs/per_head.md). Both give the same scores.
+      (the patched llama.cpp; see docs/graph_scoring.md). Both give the same scores.
     """
 
     def __init__(
