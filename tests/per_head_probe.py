@@ -458,7 +458,7 @@ def scenario_graph_scores(args):
 
 def scenario_scoring_choice(args):
     """Which path kv_scoring picks, and what it says when it cannot (run on the stock and on the patched library)."""
-    said = {}
+    said = {"gpu": bool(llama_cpp.llama_supports_gpu_offload())}
     for name, kwargs in (("auto_kvp", {"kv_policy": "kvp"}),
                          ("graph_kvp", {"kv_policy": "kvp", "kv_scoring": "graph"}),
                          ("callback_kvp", {"kv_policy": "kvp", "kv_scoring": "callback"}),

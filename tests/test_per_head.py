@@ -381,14 +381,16 @@ def test_in_graph_scores_equal_the_callback_path(tmp_path, case):
 
 
 def test_scoring_path_choice_and_errors():
-    """kv_scoring="auto" runs a learned policy in the graph on the patched library and through the callback on the
-    stock one; "graph" explains what is missing on the stock library and refuses heuristics; bad names are named."""
+    """kv_scoring="auto" runs a learned policy in the graph on the patched library with a GPU backend, else through
+    the callback (faster on a CPU); "graph" explains what is missing on the stock library and refuses heuristics;
+    bad names are named."""
     stock = run_probe("scoring_choice", patched=False)
     assert stock["auto_kvp"] == {"in_graph": False, "callback": True}
     assert stock["graph_kvp"].startswith("RuntimeError") and "KVP_CPP_LLAMA=per_head" in stock["graph_kvp"]
     assert stock["bogus"].startswith("ValueError") and "kv_scoring" in stock["bogus"]
     patched = run_probe("scoring_choice", patched=True)
-    assert patched["auto_kvp"] == {"in_graph": True, "callback": False}
+    assert patched["auto_kvp"] == {"in_graph": patched["gpu"], "callback": not patched["gpu"]}
+    assert patched["graph_kvp"] == {"in_graph": True, "callback": False}
     assert patched["callback_kvp"] == {"in_graph": False, "callback": True}
     assert patched["graph_keydiff"].startswith("ValueError") and "'keydiff' is not one" in patched["graph_keydiff"]
 

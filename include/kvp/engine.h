@@ -38,7 +38,7 @@ const char* position_mode_name(PositionMode mode);
 
 // Where a learned policy's MLP runs.
 enum class ScoringPath {
-    automatic,  // in the graph when the loaded libllama can (the patched one), else through the eval callback
+    automatic,  // in the graph when the loaded libllama can (the patched one) and has a GPU, else the callback
     callback,   // on the CPU, on K/V copied out of the graph by the eval callback
     graph,      // inside llama.cpp's decode graph, on the layer's backend (llama_kvp_scorer_*; patched library)
 };

@@ -31,7 +31,7 @@ POSITION_MODES = ("compact", "original")
 #: shared: one token set for all heads (stock llama.cpp); per_head: each (layer, KV head) keeps its own (the
 #: patched llama.cpp, KVP_CPP_LLAMA=per_head; see docs/per_head.md)
 KV_MODES = ("shared", "per_head")
-#: where a learned policy's MLP runs: auto (graph when the patched llama.cpp is loaded), callback, graph
+#: where a learned policy's MLP runs: auto (graph with the patched llama.cpp and a GPU), callback, graph
 SCORING_PATHS = ("auto", "callback", "graph")
 HEAD_COMBINES = ("sum_softmax", "max_softmax", "mean", "mean_rank")
 
@@ -149,8 +149,9 @@ class Llama(llama_cpp.Llama):
       limit (default 2**20).
     - ``kv_kernel`` / ``kv_threads``: scorer kernel (``"auto"`` or a name from ``available_kernels()``) and threads.
     - ``kv_scoring``: where a learned policy's MLP runs: ``"auto"`` (default: inside llama.cpp's decode graph when
-      the patched llama.cpp is loaded, else on the CPU through the eval callback), ``"callback"`` or ``"graph"``
-      (the patched llama.cpp; see docs/graph_scoring.md). Both give the same scores.
+      the patched llama.cpp is loaded and has a GPU backend, else on the CPU through the eval callback, which is
+      the faster of the two on a CPU), ``"callback"`` or ``"graph"`` (the patched llama.cpp; see
+      docs/graph_scoring.md). Both give the same scores.
     """
 
     def __init__(

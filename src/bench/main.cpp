@@ -68,7 +68,7 @@ engine
                             the launcher loads), or both: every policy runs in each, side by side. With per_head,
                             every engine keeps original positions (docs/per_head.md)
   --scoring PATH             where learned policies' MLPs run: auto (default: in llama.cpp's decode graph with the
-                            patched llama.cpp, else on the CPU through the eval callback), callback, graph
+                            patched llama.cpp and a GPU, else on the CPU through the eval callback), callback, graph
   --seed N                  seed of the random policy (default 0)
 
 llama.cpp

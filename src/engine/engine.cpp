@@ -154,8 +154,11 @@ Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy,
     const bool plain_cache = llama_model_n_swa(model) <= 0;
     if (config_.scoring == ScoringPath::graph && !plain_cache)
         throw std::invalid_argument("kv_scoring='graph' needs a model without sliding-window layers");
+    // "auto" scores in the graph only where llama.cpp has a GPU: on the CPU the callback's syncs cost nothing and
+    // the scorer's graph nodes do (decode 0.88x against 0.96x of plain llama.cpp, benchmarks/results/engine_graph.md)
+    const bool graph_pays_off = plain_cache && llama_supports_gpu_offload() && GraphScorer::available();
     if (mlp && (config_.scoring == ScoringPath::graph ||
-                (config_.scoring == ScoringPath::automatic && plain_cache && GraphScorer::available())))
+                (config_.scoring == ScoringPath::automatic && graph_pays_off)))
         graph_scorer_ = std::make_unique<GraphScorer>(*mlp);  // throws if the loaded libllama lacks it
     if (!graph_scorer_) request(policy_->capture_layers(), kCaptureKV);
     request(policy_->query_layers(), kCaptureQ);
