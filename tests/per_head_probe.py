@@ -423,16 +423,60 @@ def scenario_kv_mode_errors(args):
             said[name] = None
         except (ValueError, RuntimeError) as e:
             said[name] = f"{type(e).__name__}: {e}"
-    if _llama_lib.loaded_library_is_patched():
-        llm = kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=256, kv_policy="keydiff", kv_mode="per_head",
-                            verbose=False)
-        llm.eval(llm.tokenize(PROMPT.encode()))
-        try:
-            llm.save_state()
-            said["save_state"] = None
-        except Exception as e:  # noqa: BLE001 - the message is what is checked
-            said["save_state"] = f"{type(e).__name__}: {e}"
     return said
+
+
+def scenario_per_head_state(args):
+    """kv_mode="per_head": save_state after a prompt ~3x the budget, 12 greedy tokens, load_state, 12 more; the
+    same again in a second Llama; each head's positions before the save and after each load; and what a
+    shared-mode state says when loaded into a per-head Llama."""
+    def make(kv_mode="per_head"):
+        return kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=256, kv_policy=args.get("policy", "kvp"),
+                             kv_mode=kv_mode, kv_position_mode="original", flash_attn=True, seed=0, verbose=False,
+                             n_threads=2)
+
+    def greedy(llm, n=12):
+        """A fixed first token, then n greedy ones: every step's logits depend on the whole cache."""
+        out = []
+        token = llm.tokenize(b" The", add_bos=False)[0]
+        for _ in range(n):
+            llm.eval([token])
+            logits = llama_cpp.llama_get_logits(llm._ctx.ctx)  # one output per decode: this token's
+            token = int(np.argmax(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),))))
+            out.append(token)
+        return out
+
+    def held(positions):
+        """Each (layer, head)'s set of positions, whichever cells they are in (a load packs the cells)."""
+        L, H = positions.shape[:2]
+        return [sorted(positions[l, h][positions[l, h] >= 0].tolist()) for l in range(L) for h in range(H)]
+
+    llm = make()
+    llm.eval(llm.tokenize((PROMPT * 12).encode()))
+    n_cells = int(llama_cpp.llama_n_ctx(llm._ctx.ctx))
+    before = per_head.positions(llm, n_cells)
+    state = llm.save_state()
+    first = greedy(llm)
+    llm.load_state(state)
+    after = per_head.positions(llm, n_cells)
+    again = greedy(llm)
+    other = make()
+    other.load_state(state)
+    in_other = per_head.positions(other, n_cells)
+    from_other = greedy(other)
+    shared = make("shared")
+    shared.eval(llm.tokenize(PROMPT.encode()))
+    try:
+        other.load_state(shared.save_state())
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {"tokens_evicted": llm.kv_stats()["tokens_evicted"],
+            "n_distinct_sets": len({tuple(s) for s in held(before)}),
+            "positions_restored": held(before) == held(after),
+            "positions_in_other": held(before) == held(in_other),
+            "first": first, "again": again, "from_other": from_other, "refused": refused,
+            "other_still_works": len(greedy(other, 2)) == 2}
 
 
 def scenario_graph_scores(args):

@@ -177,7 +177,19 @@ def test_kv_mode_errors():
     assert stock["bogus"].startswith("ValueError") and "kv_mode" in stock["bogus"]
     patched = run_probe("kv_mode_errors", patched=True)
     assert patched["per_head"] is None
-    assert "not supported yet" in patched["save_state"]
+
+
+@pytest.mark.parametrize("policy", ["kvp", "keydiff"])
+def test_per_head_state_round_trip(policy):
+    """save_state/load_state in per-head mode: every head's positions come back (in the same Llama and in
+    another), and the greedy continuation after a load is the one after the save; a shared-mode state is refused
+    with a ValueError and leaves the Llama usable."""
+    r = run_probe("per_head_state", {"policy": policy}, patched=True)
+    assert r["tokens_evicted"] > 300 and r["n_distinct_sets"] > 1
+    assert r["positions_restored"] and r["positions_in_other"]
+    assert r["again"] == r["first"] and r["from_other"] == r["first"]
+    assert r["refused"] and "saved in shared mode" in r["refused"]
+    assert r["other_still_works"]
 
 
 def test_unsupported_context_is_refused():

@@ -172,7 +172,8 @@ private:
     int64_t cells_used() const;
     void evict_per_head(size_t n_evict);
     void check_budget(int64_t budget, const char* action) const;
-    Ledger parse_image(const uint8_t* data, size_t size, int64_t* next_logical) const;
+    // head_pos: per-head mode, the cells' positions of every (layer, KV head), [layer][head][cell]
+    Ledger parse_image(const uint8_t* data, size_t size, int64_t* next_logical, std::vector<int32_t>* head_pos) const;
     std::string store_graph_scores();
 
     EngineConfig config_;
@@ -181,6 +182,8 @@ private:
     llama_context* ctx_ = nullptr;
     // llama_kvp_evict of the patched llama.cpp (per-head mode), found with dlsym on the loaded libllama
     int32_t (*kvp_evict_)(llama_context*, int32_t, const int32_t*) = nullptr;
+    int32_t (*kvp_head_pos_)(const llama_context*, int32_t, int32_t, int32_t*, int32_t) = nullptr;
+    int32_t (*kvp_set_head_pos_)(llama_context*, int32_t, int32_t, const int32_t*, int32_t) = nullptr;
     // the policy's MLP when llama.cpp runs it in the graph (ScoringPath)
     std::unique_ptr<GraphScorer> graph_scorer_;
     Ledger ledger_;

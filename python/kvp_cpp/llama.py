@@ -137,8 +137,7 @@ class Llama(llama_cpp.Llama):
       with sliding-window layers (Gemma 3) it is raised to the window, whose tokens must stay for those layers.
     - ``kv_mode``: ``"shared"`` (default; one token set for all heads, any llama.cpp) or ``"per_head"`` (each
       (layer, KV head) keeps and evicts its own tokens; needs the patched llama.cpp, ``KVP_CPP_LLAMA=per_head`` and
-      ``python -m kvp_cpp.llama_build``, original positions, and no save_state/load_state yet; see
-      docs/per_head.md). ``kv_head_combine`` does not apply to it.
+      ``python -m kvp_cpp.llama_build``, and original positions; see docs/per_head.md). ``kv_head_combine`` does not apply to it.
     - ``kv_position_mode``: ``"compact"`` (default; ``"original"`` with ``kv_mode="per_head"``) shifts positions down over evicted gaps, lazily, only when the
       next position would reach the model's training context; ``"original"`` keeps every token's position.
     - ``kv_evict_fraction``: a full cache sheds at least this fraction of the budget at once (default 1/16).
@@ -440,6 +439,7 @@ class Llama(llama_cpp.Llama):
         ctx = self._ctx.ctx
         previous = (ctypes.c_uint8 * int(llama_cpp.llama_state_get_size(ctx)))()
         previous_size = llama_cpp.llama_state_get_data(ctx, previous, len(previous))
+        previous_engine = engine.save()  # per-head mode: which position each head holds where
         loaded = (ctypes.c_uint8 * size).from_buffer_copy(state.llama_state)
         try:
             if llama_cpp.llama_state_set_data(ctx, loaded, size) != size:
@@ -451,6 +451,8 @@ class Llama(llama_cpp.Llama):
                 # and the logical history consistent, empty.
                 engine.reset()
                 self.n_tokens = 0
+            else:
+                engine.restore(previous_engine)
             raise
 
         # As llama_cpp.Llama.load_state, now that nothing can fail.

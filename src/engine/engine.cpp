@@ -186,6 +186,8 @@ void Engine::attach(llama_context* ctx) {
         auto n_layer = reinterpret_cast<int32_t (*)(const llama_context*)>(kvp_symbol("llama_kvp_n_layer"));
         auto n_head_kv = reinterpret_cast<int32_t (*)(const llama_context*)>(kvp_symbol("llama_kvp_n_head_kv"));
         kvp_evict_ = reinterpret_cast<int32_t (*)(llama_context*, int32_t, const int32_t*)>(kvp_symbol("llama_kvp_evict"));
+        kvp_head_pos_ = reinterpret_cast<decltype(kvp_head_pos_)>(kvp_symbol("llama_kvp_head_pos"));
+        kvp_set_head_pos_ = reinterpret_cast<decltype(kvp_set_head_pos_)>(kvp_symbol("llama_kvp_set_head_pos"));
         if (!enable || !n_layer || !n_head_kv || !kvp_evict_)
             throw std::runtime_error("kv_mode='per_head' needs the patched llama.cpp (llama_kvp_*), and this process "
                                      "loaded the stock one");
@@ -573,24 +575,69 @@ EngineStats Engine::stats() const {
 
 // --- state --------------------------------------------------------------------------------------------------------
 
+namespace {
+// per-head images: after next_logical, this magic, n_cells and n_heads (u64), then int32 positions [head][cell]
+constexpr char kHeadPosMagic[8] = {'K', 'V', 'P', 'H', 'E', 'A', 'D', 'S'};
+}  // namespace
+
 std::vector<uint8_t> Engine::save() const {
     if (in_batch_) throw std::logic_error("cannot save state during a batch");
     std::vector<uint8_t> out(sizeof(int64_t));
     std::memcpy(out.data(), &next_logical_, sizeof(int64_t));
+    if (ledger_.n_holders()) {
+        require_attached();
+        const uint64_t n_cells = llama_n_ctx(ctx_), n_heads = uint64_t(ledger_.n_holders());
+        std::vector<int32_t> pos(n_cells * n_heads);
+        const int n_head_kv = int(identity_.n_head_kv);
+        for (uint64_t lh = 0; lh < n_heads; ++lh)
+            if (kvp_head_pos_(ctx_, int(lh) / n_head_kv, int(lh) % n_head_kv, pos.data() + lh * n_cells,
+                              int32_t(n_cells)) < 0)
+                throw std::runtime_error("llama_kvp_head_pos failed; see llama.cpp's log");
+        out.insert(out.end(), kHeadPosMagic, kHeadPosMagic + 8);
+        const uint64_t sizes[2] = {n_cells, n_heads};
+        const auto* bytes = reinterpret_cast<const uint8_t*>(sizes);
+        out.insert(out.end(), bytes, bytes + sizeof sizes);
+        bytes = reinterpret_cast<const uint8_t*>(pos.data());
+        out.insert(out.end(), bytes, bytes + pos.size() * sizeof(int32_t));
+    }
     const std::vector<uint8_t> ledger = ledger_.serialize();
     out.insert(out.end(), ledger.begin(), ledger.end());
     return out;
 }
 
-Ledger Engine::parse_image(const uint8_t* data, size_t size, int64_t* next_logical) const {
+Ledger Engine::parse_image(const uint8_t* data, size_t size, int64_t* next_logical,
+                           std::vector<int32_t>* head_pos) const {
     if (in_batch_) throw std::logic_error("cannot restore state during a batch");
     if (size < sizeof(int64_t)) throw std::invalid_argument("kvp engine state is truncated");
     std::memcpy(next_logical, data, sizeof(int64_t));
-    Ledger ledger = Ledger::deserialize(data + sizeof(int64_t), size - sizeof(int64_t));
+    data += sizeof(int64_t), size -= sizeof(int64_t);
+    const bool has_head_pos = size >= 8 && std::memcmp(data, kHeadPosMagic, 8) == 0;
+    if (has_head_pos != (ledger_.n_holders() != 0))
+        throw std::invalid_argument(has_head_pos ? "kvp engine state was saved in per-head mode (kv_mode='per_head')"
+                                                 : "kvp engine state was saved in shared mode, not per head");
+    if (has_head_pos) {
+        require_attached();
+        uint64_t sizes[2];
+        if (size < 8 + sizeof sizes) throw std::invalid_argument("kvp engine state is truncated");
+        std::memcpy(sizes, data + 8, sizeof sizes);
+        const uint64_t n_cells = sizes[0], n_heads = sizes[1];
+        if (n_cells != uint64_t(llama_n_ctx(ctx_)) || n_heads != uint64_t(ledger_.n_holders()) ||
+            size < 8 + sizeof sizes + n_cells * n_heads * sizeof(int32_t))
+            throw std::invalid_argument("kvp engine state was saved for another cache size or head count");
+        head_pos->resize(n_cells * n_heads);
+        std::memcpy(head_pos->data(), data + 8 + sizeof sizes, head_pos->size() * sizeof(int32_t));
+        const size_t skip = 8 + sizeof sizes + head_pos->size() * sizeof(int32_t);
+        data += skip, size -= skip;
+    }
+    Ledger ledger = Ledger::deserialize(data, size);
     if (ledger.n_columns() != ledger_.n_columns())
         throw std::invalid_argument("kvp engine state was saved with another policy (score columns differ)");
-    if (int64_t(ledger.size()) > config_.budget)
-        throw std::invalid_argument("kvp engine state holds more tokens than kv_budget");
+    if (ledger.n_holders() != ledger_.n_holders())
+        throw std::invalid_argument("kvp engine state was saved with another number of heads");
+    bool over_budget = !ledger.n_holders() && int64_t(ledger.size()) > config_.budget;
+    for (int h = 0; h < ledger.n_holders(); ++h)
+        over_budget |= int64_t(ledger.held_count(h, 0, ledger.size())) > config_.budget;
+    if (over_budget) throw std::invalid_argument("kvp engine state holds more tokens than kv_budget");
     if (!ledger.empty() && ledger.logical(ledger.size() - 1) >= *next_logical)
         throw std::invalid_argument("kvp engine state is inconsistent");
     return ledger;
@@ -598,14 +645,47 @@ Ledger Engine::parse_image(const uint8_t* data, size_t size, int64_t* next_logic
 
 void Engine::check_image(const uint8_t* data, size_t size) const {
     int64_t next_logical;
-    parse_image(data, size, &next_logical);
+    std::vector<int32_t> head_pos;
+    parse_image(data, size, &next_logical, &head_pos);
 }
 
 void Engine::restore(const uint8_t* data, size_t size) {
-    if (ledger_.n_holders())
-        throw std::logic_error("restoring the state of a per-head KV cache is not supported yet (kv_mode='per_head')");
     int64_t next_logical;
-    Ledger ledger = parse_image(data, size, &next_logical);
+    std::vector<int32_t> head_pos;
+    Ledger ledger = parse_image(data, size, &next_logical, &head_pos);
+    if (ledger.n_holders()) {
+        // the KV cells were restored (llama_state_*) but not which position each head holds in them
+        if (!kvp_set_head_pos_)
+            throw std::runtime_error("restoring a per-head state needs llama_kvp_set_head_pos: rebuild the patched "
+                                     "llama.cpp (python -m kvp_cpp.llama_build)");
+        const size_t n_cells = llama_n_ctx(ctx_);
+        const int n_head_kv = int(identity_.n_head_kv), n_heads = ledger.n_holders();
+        // A whole-state load packs the used cells from cell 0, in their saved order, and every head then holds
+        // the cell's position (the largest of any head's in it). Move each head's saved positions the same way,
+        // and check that the cells came back where this expects them.
+        std::vector<int32_t> loaded(n_cells);
+        if (kvp_head_pos_(ctx_, 0, 0, loaded.data(), int32_t(n_cells)) < 0)
+            throw std::runtime_error("llama_kvp_head_pos failed; see llama.cpp's log");
+        std::vector<size_t> used;  // saved cells in use (every head uses the same ones)
+        for (size_t c = 0; c < n_cells; ++c)
+            if (head_pos[c] >= 0) used.push_back(c);
+        std::vector<int32_t> packed(head_pos.size(), -1);
+        for (int lh = 0; lh < n_heads; ++lh)
+            for (size_t i = 0; i < used.size(); ++i)
+                packed[size_t(lh) * n_cells + i] = head_pos[size_t(lh) * n_cells + used[i]];
+        for (size_t c = 0; c < n_cells; ++c) {
+            int32_t top = -1;
+            for (int lh = 0; lh < n_heads; ++lh) top = std::max(top, packed[size_t(lh) * n_cells + c]);
+            if (top != loaded[c])
+                throw std::invalid_argument("the per-head positions of this state do not match the KV cells it "
+                                            "restored (cell " + std::to_string(c) + ")");
+        }
+        for (int lh = 0; lh < n_heads; ++lh)
+            if (kvp_set_head_pos_(ctx_, lh / n_head_kv, lh % n_head_kv, packed.data() + size_t(lh) * n_cells,
+                                  int32_t(n_cells)) != 0)
+                throw std::invalid_argument("the per-head positions of this state do not fit the KV cache it was "
+                                            "loaded with; see llama.cpp's log");
+    }
     forget_entries(0, ledger_.size());
     ledger_ = std::move(ledger);
     next_logical_ = next_logical;

@@ -72,6 +72,8 @@ size_t Ledger::lower_bound(int64_t logical) const {
 
 namespace {
 constexpr char kLedgerMagic[8] = {'K', 'V', 'P', 'L', 'E', 'D', 'G', '1'};
+// per-head mode: a third header field, n_holders, and after the scores one byte per (entry, head)
+constexpr char kPerHeadLedgerMagic[8] = {'K', 'V', 'P', 'L', 'E', 'D', 'G', '2'};
 
 template <typename T>
 void put(std::vector<uint8_t>& out, const T* values, size_t count) {
@@ -81,39 +83,47 @@ void put(std::vector<uint8_t>& out, const T* values, size_t count) {
 }  // namespace
 
 std::vector<uint8_t> Ledger::serialize() const {
-    if (n_holders_ != 0)
-        throw std::logic_error("saving the state of a per-head KV cache is not supported yet (kv_mode='per_head')");
     std::vector<uint8_t> out;
-    put(out, kLedgerMagic, 8);
-    const uint64_t header[2] = {uint64_t(n_columns_), uint64_t(size())};
-    put(out, header, 2);
+    put(out, n_holders_ ? kPerHeadLedgerMagic : kLedgerMagic, 8);
+    const uint64_t header[3] = {uint64_t(n_columns_), uint64_t(size()), uint64_t(n_holders_)};
+    put(out, header, n_holders_ ? 3 : 2);
     put(out, logical_.data(), size());
     put(out, original_pos_.data(), size());
     put(out, cache_pos_.data(), size());
     put(out, scores_.data(), scores_.size());
+    put(out, holders_.data(), holders_.size());
     return out;
 }
 
 Ledger Ledger::deserialize(const uint8_t* data, size_t size) {
-    if (size < 24 || std::memcmp(data, kLedgerMagic, 8) != 0) throw std::invalid_argument("not a kvp ledger image");
-    uint64_t header[2];
-    std::memcpy(header, data + 8, sizeof header);
-    const uint64_t n_columns = header[0], n = header[1];
-    if (n_columns == 0 || n_columns > (1u << 20) || n > (uint64_t(1) << 32) ||
-        size != 24 + n * (3 * sizeof(int64_t) + n_columns * sizeof(float)))
+    const bool per_head = size >= 8 && std::memcmp(data, kPerHeadLedgerMagic, 8) == 0;
+    const size_t header_bytes = per_head ? 32 : 24;
+    if (size < header_bytes || (!per_head && std::memcmp(data, kLedgerMagic, 8) != 0))
+        throw std::invalid_argument("not a kvp ledger image");
+    uint64_t header[3] = {0, 0, 0};
+    std::memcpy(header, data + 8, header_bytes - 8);
+    const uint64_t n_columns = header[0], n = header[1], n_holders = header[2];
+    if (n_columns == 0 || n_columns > (1u << 20) || n > (uint64_t(1) << 32) || (per_head && n_holders == 0) ||
+        n_holders > (1u << 16) ||
+        size != header_bytes + n * (3 * sizeof(int64_t) + n_columns * sizeof(float) + n_holders))
         throw std::invalid_argument("kvp ledger image has inconsistent sizes");
     Ledger ledger{int(n_columns)};
+    ledger.n_holders_ = int(n_holders);
     if (n == 0) return ledger;  // memcpy into an empty vector's null data() is undefined, even for 0 bytes
     ledger.logical_.resize(n);
     ledger.original_pos_.resize(n);
     ledger.cache_pos_.resize(n);
     ledger.scores_.resize(n * n_columns);
-    const uint8_t* p = data + 24;
+    const uint8_t* p = data + header_bytes;
     for (auto* v : {&ledger.logical_, &ledger.original_pos_, &ledger.cache_pos_}) {
         std::memcpy(v->data(), p, n * sizeof(int64_t));
         p += n * sizeof(int64_t);
     }
     std::memcpy(ledger.scores_.data(), p, n * n_columns * sizeof(float));
+    p += n * n_columns * sizeof(float);
+    ledger.holders_.assign(p, p + n * n_holders);
+    for (size_t i = 0; i < n; ++i)
+        if (n_holders && !ledger.held_by_any(i)) throw std::invalid_argument("kvp ledger image has an entry no head holds");
     return ledger;
 }
 

@@ -402,6 +402,38 @@ void test_ledger_image() {
     std::printf("  ledger: image round trip and corrupt images\n");
 }
 
+// Per-head mode: which heads hold each entry travels with the image (a second magic, n_holders in the header).
+void test_per_head_ledger_image() {
+    kvp::Ledger ledger(2);
+    ledger.set_holders(4);
+    for (int64_t i = 0; i < 20; ++i) ledger.append(i, i, i);
+    for (size_t i = 0; i < 20; ++i)
+        for (int h = 0; h < 4; ++h)
+            if ((i + size_t(h)) % 3 == 0) ledger.release(i, h);
+    const std::vector<uint8_t> image = ledger.serialize();
+    CHECK(std::memcmp(image.data(), "KVPLEDG2", 8) == 0);
+    const kvp::Ledger copy = kvp::Ledger::deserialize(image.data(), image.size());
+    bool same = copy.size() == 20 && copy.n_holders() == 4;
+    for (size_t i = 0; same && i < 20; ++i)
+        for (int h = 0; h < 4; ++h) same = same && copy.held(i, h) == ledger.held(i, h) && copy.logical(i) == int64_t(i);
+    CHECK(same);
+    CHECK(copy.serialize() == image);
+
+    auto rejected = [](std::vector<uint8_t> bytes) {
+        return throws<std::invalid_argument>([&] { kvp::Ledger::deserialize(bytes.data(), bytes.size()); });
+    };
+    for (size_t size = 0; size < image.size(); size += 5)
+        CHECK(rejected(std::vector<uint8_t>(image.begin(), image.begin() + ptrdiff_t(size))));
+    std::vector<uint8_t> no_holders = image;
+    const uint64_t zero = 0;
+    std::memcpy(no_holders.data() + 24, &zero, sizeof zero);  // n_holders 0 under the per-head magic
+    CHECK(rejected(no_holders));
+    std::vector<uint8_t> orphan = image;
+    std::fill(orphan.end() - 4, orphan.end(), uint8_t(0));  // the last entry held by no head
+    CHECK(rejected(orphan));
+    std::printf("  ledger: per-head image round trip and corrupt images\n");
+}
+
 }  // namespace
 
 // KeyDiff in per-head mode: each head's anchor is the mean normalised key over the tokens that head holds, and
@@ -472,6 +504,7 @@ int main(int argc, char** argv) {
         }
         test_evictor();
         test_ledger_image();
+        test_per_head_ledger_image();
         test_keydiff_per_head();
     } catch (const std::exception& e) {
         std::fprintf(stderr, "test_core: unexpected exception: %s\n", e.what());
