@@ -44,8 +44,6 @@ enum class ScoringPath {
 };
 ScoringPath scoring_path_from_name(const std::string& name);  // auto, callback, graph; throws std::invalid_argument
 const char* scoring_path_name(ScoringPath path);
-// Whether the libllama this process loaded can score inside the decode graph (llama_kvp_scorer_*).
-bool graph_scoring_available();
 
 struct EngineConfig {
     int64_t budget = 0;            // cells this sequence may hold

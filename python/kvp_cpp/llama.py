@@ -439,7 +439,8 @@ class Llama(llama_cpp.Llama):
         ctx = self._ctx.ctx
         previous = (ctypes.c_uint8 * int(llama_cpp.llama_state_get_size(ctx)))()
         previous_size = llama_cpp.llama_state_get_data(ctx, previous, len(previous))
-        previous_engine = engine.save()  # per-head mode: which position each head holds where
+        # per-head mode: which position each head holds where (a llama.cpp state does not keep it)
+        previous_engine = engine.save() if self._kvp_args["kv_mode"] == "per_head" else None
         loaded = (ctypes.c_uint8 * size).from_buffer_copy(state.llama_state)
         try:
             if llama_cpp.llama_state_set_data(ctx, loaded, size) != size:
@@ -451,7 +452,7 @@ class Llama(llama_cpp.Llama):
                 # and the logical history consistent, empty.
                 engine.reset()
                 self.n_tokens = 0
-            else:
+            elif previous_engine is not None:
                 engine.restore(previous_engine)
             raise
 

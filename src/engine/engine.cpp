@@ -8,6 +8,7 @@
 #include <dlfcn.h>
 
 #include "graph_scorer.h"
+#include "llama_symbol.h"
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "llama.h"
@@ -49,8 +50,8 @@ int parse_layer_suffix(const char* digits) {
     return layer;
 }
 
-// A function of the patched llama.cpp (per-head KV eviction), looked up in the libllama this process loaded;
-// null with the stock library. The extension links libllama by SONAME, so that is the copy llama_cpp loaded.
+}  // namespace
+
 void* kvp_symbol(const char* name) {
     void* lib = dlopen("libllama.so.0", RTLD_LAZY | RTLD_NOLOAD);
     void* fn = lib ? dlsym(lib, name) : nullptr;
@@ -58,11 +59,7 @@ void* kvp_symbol(const char* name) {
     return fn;
 }
 
-}  // namespace
-
 bool per_head_available() { return kvp_symbol("llama_kvp_evict") != nullptr; }
-
-bool graph_scoring_available() { return GraphScorer::available(); }
 
 ScoringPath scoring_path_from_name(const std::string& name) {
     if (name == "auto") return ScoringPath::automatic;

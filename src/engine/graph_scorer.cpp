@@ -5,25 +5,20 @@
 #include <stdexcept>
 #include <string>
 
-#include <dlfcn.h>
-
 #include "llama.h"
+#include "llama_symbol.h"
 
 namespace kvp {
 
 namespace {
 
-// The extension links libllama by SONAME, so that is the copy llama_cpp loaded.
 // Null members where the loaded libllama lacks a function.
 GraphScorer::Functions lookup() {
     GraphScorer::Functions f{};
-    void* lib = dlopen("libllama.so.0", RTLD_LAZY | RTLD_NOLOAD);
-    if (!lib) return f;
-    f.init = reinterpret_cast<decltype(f.init)>(dlsym(lib, "llama_kvp_scorer_init"));
-    f.set_layer = reinterpret_cast<decltype(f.set_layer)>(dlsym(lib, "llama_kvp_scorer_set_layer"));
-    f.set_pos_offset = reinterpret_cast<decltype(f.set_pos_offset)>(dlsym(lib, "llama_kvp_scorer_set_pos_offset"));
-    f.scores = reinterpret_cast<decltype(f.scores)>(dlsym(lib, "llama_kvp_scorer_scores"));
-    dlclose(lib);  // only drops the reference NOLOAD took
+    f.init = reinterpret_cast<decltype(f.init)>(kvp_symbol("llama_kvp_scorer_init"));
+    f.set_layer = reinterpret_cast<decltype(f.set_layer)>(kvp_symbol("llama_kvp_scorer_set_layer"));
+    f.set_pos_offset = reinterpret_cast<decltype(f.set_pos_offset)>(kvp_symbol("llama_kvp_scorer_set_pos_offset"));
+    f.scores = reinterpret_cast<decltype(f.scores)>(kvp_symbol("llama_kvp_scorer_scores"));
     return f;
 }
 
