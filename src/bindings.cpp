@@ -254,7 +254,7 @@ NB_MODULE(_core, m) {
             [](kvp::Engine* self, uintptr_t model, const std::string& policy, int64_t budget, int64_t n_sink,
                int64_t n_recent, const std::string& position_mode, double evict_fraction, const std::string& combine,
                int64_t compact_limit, uint64_t seed, const std::string& kernel, int n_threads, bool per_head,
-               const std::string& scoring) {
+               double head_consensus, const std::string& scoring) {
                 const auto* llama_model_ptr = reinterpret_cast<const llama_model*>(model);
                 kvp::PolicyOptions options{seed, kernel, n_threads};
                 kvp::EngineConfig config;
@@ -264,6 +264,7 @@ NB_MODULE(_core, m) {
                 config.combine = kvp::head_combine_from_name(combine);
                 config.compact_limit = compact_limit;
                 config.per_head = per_head;
+                config.head_consensus = head_consensus;
                 config.scoring = kvp::scoring_path_from_name(scoring);
                 auto made = kvp::make_policy(policy, kvp::model_identity(llama_model_ptr), options);
                 // Negative counts mean "what the policy was trained with".
@@ -274,7 +275,8 @@ NB_MODULE(_core, m) {
             },
             "model"_a, "policy"_a, "budget"_a, "n_sink"_a = -1, "n_recent"_a = -1, "position_mode"_a = "compact",
             "evict_fraction"_a = 0.0625, "combine"_a = "sum_softmax", "compact_limit"_a = 0, "seed"_a = 0,
-            "kernel"_a = "auto", "n_threads"_a = 0, "per_head"_a = false, "scoring"_a = "auto")
+            "kernel"_a = "auto", "n_threads"_a = 0, "per_head"_a = false, "head_consensus"_a = 0.0,
+            "scoring"_a = "auto")
         .def_prop_ro("callback_address",
                      [](const kvp::Engine& e) {
                          return e.needs_callback() ? reinterpret_cast<uintptr_t>(&kvp::Engine::eval_callback) : uintptr_t(0);

@@ -451,6 +451,25 @@ def test_plots_are_written_for_tasks(sweep, tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_draws_several_runs_together_and_refuses_other_models(sweep, tmp_path):
+    """Two runs (here the same sweep, relabelled as another length) become one document whose panels are both
+    lengths; runs of different models are refused."""
+    pytest.importorskip("matplotlib")
+    document = plot.load_results(str(sweep["out"]))
+    longer = dict(document, results=[dict(r, length=r["length"] * 2) for r in document["results"]])
+    longer_path = tmp_path / "longer.json"
+    longer_path.write_text(json.dumps(longer))
+    merged = plot.merge_results([document, longer])
+    assert len(merged["results"]) == 2 * len(document["results"])
+    assert sorted({r["length"] for r in merged["results"]}) == sorted(
+        {r["length"] for r in document["results"]} | {2 * r["length"] for r in document["results"]})
+    assert plot.main([str(sweep["out"]), str(longer_path), "-o", str(tmp_path / "png"), "--stem", "both"]) == 0
+    assert sorted(os.listdir(tmp_path / "png")) == ["both-score.png", "both-tasks.png"]
+    other = dict(document, model=dict(document["model"], name="gemma-3-270m.gguf"))
+    with pytest.raises(ValueError, match="different models"):
+        plot.merge_results([document, other])
+
+
 def test_per_head_mode_needs_the_patched_library(monkeypatch, tmp_path, model_path, tasks_file):
     """The binary on llama-cpp-python's own library refuses --kv-modes per_head before any work, and the launcher
     names the build command when the patched library is missing."""
@@ -466,6 +485,13 @@ def test_per_head_mode_needs_the_patched_library(monkeypatch, tmp_path, model_pa
     bad = subprocess.run([bench.binary_path(), "-m", model_path, "--tasks", str(tasks_file), "--kv-modes", "per_layer"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--kv-modes takes shared and per_head" in bad.stderr
+    consensus = subprocess.run([bench.binary_path(), "-m", model_path, "--tasks", str(tasks_file), "--policies",
+                                "keydiff", "--head-consensus", "0.5", "-o", str(tmp_path / "x.json")],
+                               capture_output=True, text=True, timeout=120)
+    assert consensus.returncode == 1 and "--head-consensus applies to per-head eviction" in consensus.stderr
+    out_of_range = subprocess.run([bench.binary_path(), "-m", model_path, "--tasks", str(tasks_file),
+                                   "--head-consensus", "2"], capture_output=True, text=True, timeout=120)
+    assert out_of_range.returncode == 2 and "--head-consensus" in out_of_range.stderr
 
     from kvp_cpp import _llama_lib
 

@@ -162,6 +162,20 @@ def test_engine_per_head_with_token_level_policy_is_the_shared_engine():
     assert (per["tokens_evicted"], per["cells_used"]) == (shared["tokens_evicted"], shared["cells_used"])
 
 
+def test_head_consensus_moves_per_head_eviction_towards_shared():
+    """kv_head_consensus=1 ranks every head by shared mode's vote: from the same start every head keeps the same
+    tokens and the text is the shared engine's (original positions in both). 0.5 keeps heads apart, but fewer
+    distinct token sets than 0."""
+    args = {"policy": str(KVP_FILE), "position_mode": "original"}
+    shared = run_probe("engine_per_head", dict(args, kv_mode="shared"), patched=True)
+    full = run_probe("engine_per_head", dict(args, consensus=1.0), patched=True)
+    half = run_probe("engine_per_head", dict(args, consensus=0.5), patched=True)
+    assert full["n_distinct_sets"] == 1
+    assert full["text"] == shared["text"]
+    assert (full["tokens_evicted"], full["cells_used"]) == (shared["tokens_evicted"], shared["cells_used"])
+    assert 1 < half["n_distinct_sets"] <= 90 and half["counts"] == [half["cells_used"]]
+
+
 def test_engine_per_head_without_eviction_is_stock():
     """Budget above the token count: kv_mode="per_head" gives stock llama-cpp-python's greedy text."""
     stock = run_probe("engine_per_head", {"policy": None, "budget": 1024, "repeat": 3}, patched=False)

@@ -57,6 +57,9 @@ struct EngineConfig {
     // Per-head mode: every (layer, KV head) of the cache evicts its own tokens (llama_kvp_* of the patched
     // llama.cpp, looked up at attach time). Needs position_mode original.
     bool per_head = false;
+    // Per-head mode: the share of each head's keep-score that follows all heads' vote (select_victims_per_head);
+    // 0 = every head by its own score, 1 = every head by shared mode's ranking.
+    double head_consensus = 0.0;
     ScoringPath scoring = ScoringPath::automatic;
 };
 

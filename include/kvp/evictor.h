@@ -40,9 +40,14 @@ std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector
 std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, size_t n_evict, HeadCombine combine);
 
 // Per-head mode (the ledger has holders): for every head h, the n_evict candidates that h still holds with h's
-// lowest scores (column h, or column 0 for a one-column policy), as ascending ledger indices; victims[h]. No
-// combination across heads. Same tie and non-finite rules as select_victims. Throws std::logic_error if a head
-// holds too few candidates, std::invalid_argument if the policy's columns are neither 1 nor one per head.
-std::vector<std::vector<size_t>> select_victims_per_head(const Ledger& ledger, Protection protection, size_t n_evict);
+// lowest keep-scores, as ascending ledger indices; victims[h]. With consensus 0 a head's keep-score is its own
+// score (column h, or column 0 for a one-column policy). With consensus w in (0, 1] it is
+// (1 - w) x softmax of h's scores over what h holds + w x the mean over heads of each head's softmax over all
+// candidates (shared mode's sum_softmax / n_heads), so tokens that many heads want are kept by every head;
+// w = 1 from a common start evicts exactly what shared mode would. Same tie and non-finite rules as
+// select_victims. Throws std::logic_error if a head holds too few candidates, std::invalid_argument if the
+// policy's columns are neither 1 nor one per head or w is outside [0, 1].
+std::vector<std::vector<size_t>> select_victims_per_head(const Ledger& ledger, Protection protection, size_t n_evict,
+                                                         double consensus = 0.0);
 
 }  // namespace kvp

@@ -1,4 +1,5 @@
-"""``python -m kvp_cpp.plot results.json [-o DIR]``: PNG plots of a ``kvp-bench`` run (see docs/bench.md).
+"""``python -m kvp_cpp.plot results.json [more.json ...] [-o DIR] [--stem NAME]``: PNG plots of ``kvp-bench`` runs
+(see docs/bench.md); several runs (a 2K and a 4K sweep) are drawn as panels of one figure.
 
 * ``<stem>-score.png``: the mean task score over tasks against the absolute cache size (tokens kept), one line per
   policy, one panel per (variant, context length); attention-based policies (those observing queries) dashed, the ``full``
@@ -80,18 +81,25 @@ def _draw_panel(ax, series: Dict[str, List[tuple]], attention: Dict[str, bool], 
         xs = [p[0] for p in points]
         ys = [transform(p[1]) for p in points]
         style = "--" if attention.get(policy) else "-"
+        width = 2.2 if short_label(policy).startswith("kvp:") else 1.3  # the learned policy stands out
         if with_errors:
             errors = [abs(transform(p[1] + p[2]) - transform(p[1])) for p in points]
-            ax.errorbar(xs, ys, yerr=errors, linestyle=style, marker="o", markersize=3, capsize=2,
+            ax.errorbar(xs, ys, yerr=errors, linestyle=style, linewidth=width, marker="o", markersize=3, capsize=2,
                         label=short_label(policy))
         else:
-            ax.plot(xs, ys, linestyle=style, marker="o", markersize=3, label=short_label(policy))
+            ax.plot(xs, ys, linestyle=style, linewidth=width, marker="o", markersize=3, label=short_label(policy))
     ax.set_xscale("log", base=2)
     if budgets:
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.minorticks_off()
     ax.set_xlabel("cache size (tokens)")
     ax.grid(True, alpha=0.3)
+
+
+def _legend_outside(figure, ax) -> None:
+    """One legend for the figure, right of the panels, so that it never hides a line."""
+    handles, labels = ax.get_legend_handles_labels()
+    figure.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
 
 
 def _series(rows: Sequence[dict]) -> Dict[str, List[tuple]]:
@@ -130,7 +138,7 @@ def plot(document: dict, out_dir: str, stem: str) -> List[str]:
     def save(figure, suffix: str) -> None:
         path = os.path.join(out_dir, f"{stem}-{suffix}.png")
         figure.tight_layout()
-        figure.savefig(path, dpi=120)
+        figure.savefig(path, dpi=120, bbox_inches="tight")
         plt.close(figure)
         written.append(path)
 
@@ -149,7 +157,7 @@ def plot(document: dict, out_dir: str, stem: str) -> List[str]:
             _draw_panel(ax, _series(_mean_over_tasks(members)), attention)
             ax.set_title(f"mean over tasks, {length} tokens\n{protocol}, {variant}", fontsize=9)
             ax.set_ylabel("score")
-        axes[0].legend(fontsize=8)
+        _legend_outside(figure, axes[0])
         figure.suptitle(model, fontsize=9)
         save(figure, "score")
 
@@ -160,7 +168,7 @@ def plot(document: dict, out_dir: str, stem: str) -> List[str]:
             _draw_panel(ax, _series(members), attention, with_errors=True)
             ax.set_title(f"{task} @ {length}, {variant}", fontsize=9)
             ax.set_ylabel("score")
-        axes[0].legend(fontsize=8)
+        _legend_outside(figure, axes[0])
         figure.suptitle(model, fontsize=9)
         save(figure, "tasks")
 
@@ -172,20 +180,38 @@ def plot(document: dict, out_dir: str, stem: str) -> List[str]:
                         transform=math.exp, with_errors=True)
             ax.set_title(f"{task}, context {length} tokens")
             ax.set_ylabel("perplexity")
-        axes[0].legend(fontsize=8)
+        _legend_outside(figure, axes[0])
         figure.suptitle(model, fontsize=9)
         save(figure, "perplexity")
     return written
 
 
+def merge_results(documents: Sequence[dict]) -> dict:
+    """Several runs as one document (say a 2K and a 4K sweep, which become panels side by side): their results
+    concatenated, their policies united; the model and protocol are the first run's, and must be the same in all."""
+    first = documents[0]
+    for other in documents[1:]:
+        for what, get in (("model", lambda d: d.get("model", {}).get("name")),
+                          ("protocol", lambda d: d.get("config", {}).get("protocol"))):
+            if get(other) != get(first):
+                raise ValueError(f"cannot plot runs of different {what}s together: {get(first)!r} and {get(other)!r}")
+    policies = collections.OrderedDict()
+    for document in documents:
+        for p in document.get("config", {}).get("policies", []):
+            policies.setdefault(p["label"], p)
+    return dict(first, config=dict(first.get("config", {}), policies=list(policies.values())),
+                results=[r for document in documents for r in document["results"]])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvp_cpp.plot", description="Plot a kvp-bench results file.")
-    parser.add_argument("results", help="results JSON written by kvp-bench -o")
+    parser = argparse.ArgumentParser(prog="python -m kvp_cpp.plot", description="Plot kvp-bench results files.")
+    parser.add_argument("results", nargs="+", help="results JSON written by kvp-bench -o; several are drawn together")
     parser.add_argument("-o", "--out-dir", default=None, help="folder for the PNGs (default: next to the results)")
+    parser.add_argument("--stem", default=None, help="PNG name prefix (default: the first results file's name)")
     args = parser.parse_args(argv)
-    document = load_results(args.results)
-    out_dir = args.out_dir or os.path.dirname(os.path.abspath(args.results))
-    stem = os.path.splitext(os.path.basename(args.results))[0]
+    document = merge_results([load_results(path) for path in args.results])
+    out_dir = args.out_dir or os.path.dirname(os.path.abspath(args.results[0]))
+    stem = args.stem or os.path.splitext(os.path.basename(args.results[0]))[0]
     for path in plot(document, out_dir, stem):
         print(path)
     return 0

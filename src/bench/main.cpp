@@ -67,6 +67,8 @@ engine
                             and evicts its own tokens; the patched llama.cpp of python -m kvp_cpp.llama_build, which
                             the launcher loads), or both: every policy runs in each, side by side. With per_head,
                             every engine keeps original positions (docs/per_head.md)
+  --head-consensus W        per_head: each head ranks by (1 - W) x its own softmax + W x all heads' mean softmax,
+                            in [0, 1] (default 0: every head by its own scores; 1: shared mode's ranking)
   --scoring PATH             where learned policies' MLPs run: auto (default: in llama.cpp's decode graph with the
                             patched llama.cpp and a GPU, else on the CPU through the eval callback), callback, graph
   --seed N                  seed of the random policy (default 0)
@@ -169,6 +171,7 @@ Options parse_args(int argc, char** argv) {
         else if (flag == "--recent") o.engine.n_recent = parse_int(flag, value(), 1);
         else if (flag == "--combine") o.engine.combine = head_combine_from_name(value());
         else if (flag == "--evict-fraction") o.engine.evict_fraction = parse_fraction(flag, value());
+        else if (flag == "--head-consensus") o.engine.head_consensus = parse_fraction(flag, value());
         else if (flag == "--scoring") o.engine.scoring = scoring_path_from_name(value());
         else if (flag == "--kv-modes") {
             o.kv_modes = split_list(value());
@@ -288,6 +291,8 @@ json policies_json(const std::vector<PolicyFactory>& policies) {
 // Before any work: each budget against each policy, and the patched llama.cpp for per-head mode.
 void check_policies(const std::vector<PolicyFactory>& policies, const Options& o) {
     const bool per_head = std::find(o.kv_modes.begin(), o.kv_modes.end(), kPerHeadMode) != o.kv_modes.end();
+    if (o.engine.head_consensus != 0.0 && !per_head)
+        throw std::invalid_argument("--head-consensus applies to per-head eviction: add --kv-modes per_head");
     for (const PolicyFactory& policy : policies) {
         if (policy.is_full()) continue;
         const bool runs = std::any_of(o.kv_modes.begin(), o.kv_modes.end(), [&](const std::string& mode) {
@@ -351,7 +356,8 @@ int run_speed_benchmark(const Options& o) {
                     {"decode_tokens", o.decode_tokens}, {"tokens", o.text_path.empty() ? "random" : o.text_path},
                     {"threads", o.n_threads}, {"batch_size", o.n_batch}, {"flash_attn", o.flash_attn},
                     {"combine", head_combine_name(o.engine.combine)}, {"evict_fraction", o.engine.evict_fraction},
-                    {"kv_modes", o.kv_modes}, {"scoring", scoring_path_name(o.engine.scoring)}}},
+                    {"kv_modes", o.kv_modes}, {"head_consensus", o.engine.head_consensus},
+                    {"scoring", scoring_path_name(o.engine.scoring)}}},
         {"run", run_json(wall)},
         {"files", {{"csv", csv_path}}},
         {"speed", rows}};
@@ -430,6 +436,7 @@ int run_benchmark(const Options& o) {
                         {"combine", head_combine_name(o.engine.combine)},
                         {"evict_fraction", o.engine.evict_fraction},
                         {"kv_modes", o.kv_modes},
+                        {"head_consensus", o.engine.head_consensus},
                         {"scoring", scoring_path_name(o.engine.scoring)},
                         {"threads", o.n_threads},
                         {"batch_size", o.n_batch},

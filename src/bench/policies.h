@@ -20,6 +20,7 @@ struct EngineOptions {
     int64_t n_recent = -1;
     HeadCombine combine = HeadCombine::sum_softmax;
     double evict_fraction = 0.0625;
+    double head_consensus = 0.0;  // per-head engines: share of each head's ranking that follows all heads' vote
     ScoringPath scoring = ScoringPath::automatic;  // where learned policies' MLPs run
 };
 

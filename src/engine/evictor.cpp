@@ -99,34 +99,60 @@ std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, 
     return victims;
 }
 
-std::vector<std::vector<size_t>> select_victims_per_head(const Ledger& ledger, Protection protection, size_t n_evict) {
+std::vector<std::vector<size_t>> select_victims_per_head(const Ledger& ledger, Protection protection, size_t n_evict,
+                                                         double consensus) {
     const int n_heads = ledger.n_holders();
     if (n_heads <= 0) throw std::logic_error("select_victims_per_head on a shared-mode ledger");
     if (ledger.n_columns() != 1 && ledger.n_columns() != n_heads)
         throw std::invalid_argument("per-head eviction needs one score column per (layer, KV head) (" +
                                     std::to_string(n_heads) + ") or a token-level policy; the policy has " +
                                     std::to_string(ledger.n_columns()));
+    if (!(consensus >= 0.0 && consensus <= 1.0))
+        throw std::invalid_argument("head consensus must be in [0, 1], got " + std::to_string(consensus));
     const std::vector<size_t> candidates = eviction_candidates(ledger, protection);
+    // With one column every head already ranks by the same score, so there is nothing to mix.
+    const bool mixed = consensus > 0.0 && ledger.n_columns() > 1;
+    // per candidate: the sum over heads of each head's softmax, exactly what shared mode ranks by
+    const std::vector<double> votes =
+        mixed ? combined_keep_scores(ledger, candidates, HeadCombine::sum_softmax) : std::vector<double>();
     std::vector<std::vector<size_t>> victims(static_cast<size_t>(n_heads));
-    std::vector<size_t> mine;
-    std::vector<float> score;
+    std::vector<size_t> mine;     // ledger indices this head holds
+    std::vector<double> key;      // their keep-scores, lowest leaves first
+    std::vector<double> vote_of_mine;
+    std::vector<size_t> order;
     for (int h = 0; h < n_heads; ++h) {
         const int column = ledger.n_columns() == 1 ? 0 : h;
         mine.clear();
-        score.clear();
-        for (size_t i : candidates) {
+        key.clear();
+        vote_of_mine.clear();
+        for (size_t c = 0; c < candidates.size(); ++c) {
+            const size_t i = candidates[c];
             if (!ledger.held(i, h)) continue;
             mine.push_back(i);
             const float x = ledger.scores(i)[column];
-            score.push_back(std::isfinite(x) ? x : -INFINITY);
+            key.push_back(std::isfinite(x) ? double(x) : -INFINITY);
+            if (mixed) vote_of_mine.push_back(votes[c]);
         }
         if (n_evict > mine.size())
             throw std::logic_error("cannot evict " + std::to_string(n_evict) + " tokens from head " + std::to_string(h) +
                                    ": it holds only " + std::to_string(mine.size()) + " unprotected ones");
-        std::vector<size_t> order(mine.size());
+        if (mixed && !mine.empty()) {
+            // n_heads x ((1 - w) x this head's softmax over what it holds + w x the heads' mean vote): both parts
+            // sum to about 1, so w is the share of the ranking that follows the other heads. Scaled by n_heads
+            // so that w = 1 gives shared mode's keep-scores bit for bit.
+            const double peak = *std::max_element(key.begin(), key.end());
+            double total = 0.0;
+            for (double& k : key) total += (k = std::isfinite(peak) ? std::exp(k - peak) : 0.0);
+            for (size_t j = 0; j < key.size(); ++j) {
+                const double own = total > 0.0 ? key[j] / total : 0.0;
+                key[j] = std::isinf(vote_of_mine[j]) ? -INFINITY
+                                                     : (1.0 - consensus) * n_heads * own + consensus * vote_of_mine[j];
+            }
+        }
+        order.resize(mine.size());
         std::iota(order.begin(), order.end(), size_t(0));
         // mine is in logical order, so comparing positions in it breaks ties towards the older token
-        auto lower = [&](size_t a, size_t b) { return score[a] < score[b] || (score[a] == score[b] && a < b); };
+        auto lower = [&](size_t a, size_t b) { return key[a] < key[b] || (key[a] == key[b] && a < b); };
         std::nth_element(order.begin(), order.begin() + n_evict, order.end(), lower);
         std::vector<size_t>& out = victims[size_t(h)];
         for (size_t r = 0; r < n_evict; ++r) out.push_back(mine[order[r]]);

@@ -6,6 +6,7 @@
 // every kernel set's scores match a double-precision re-computation written out here from the spec. Then the
 // evictor on hand-made ledgers (non-finite scores included), and the ledger's image round trip and its rejection of
 // corrupt images.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +19,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvp/evictor.h"
@@ -354,6 +356,108 @@ void test_evictor() {
     std::printf("  evictor: hand-made ledgers\n");
 }
 
+kvp::Ledger make_per_head_ledger(const std::vector<int64_t>& logical, const std::vector<std::vector<float>>& scores,
+                                 int n_heads) {
+    kvp::Ledger ledger(int(scores.front().size()));
+    ledger.set_holders(n_heads);
+    for (size_t i = 0; i < logical.size(); ++i) {
+        ledger.append(logical[i], logical[i], int64_t(i));
+        std::copy(scores[i].begin(), scores[i].end(), ledger.scores(i));
+    }
+    return ledger;
+}
+
+// Double-precision reference of select_victims_per_head, written from its contract: head h ranks the candidates it
+// holds by (1 - w) x n_heads x softmax(own column over them) + w x sum over heads of softmax(column over all
+// candidates); the lowest go, ties to the older.
+std::vector<size_t> reference_head_victims(const kvp::Ledger& ledger, const std::vector<size_t>& candidates, int h,
+                                           size_t n_evict, double w) {
+    const int n_heads = ledger.n_holders();
+    std::vector<double> vote(candidates.size(), 0.0);
+    for (int c = 0; c < n_heads; ++c) {
+        double total = 0.0;
+        for (size_t i : candidates) total += std::exp(double(ledger.scores(i)[c]));
+        for (size_t j = 0; j < candidates.size(); ++j) vote[j] += std::exp(double(ledger.scores(candidates[j])[c])) / total;
+    }
+    std::vector<size_t> mine;
+    std::vector<double> vote_of_mine;
+    double own_total = 0.0;
+    for (size_t j = 0; j < candidates.size(); ++j)
+        if (ledger.held(candidates[j], h)) {
+            mine.push_back(candidates[j]);
+            vote_of_mine.push_back(vote[j]);
+            own_total += std::exp(double(ledger.scores(candidates[j])[h]));
+        }
+    std::vector<std::pair<double, size_t>> keyed;
+    for (size_t j = 0; j < mine.size(); ++j) {
+        const double own = std::exp(double(ledger.scores(mine[j])[h])) / own_total;
+        keyed.push_back({(1.0 - w) * n_heads * own + w * vote_of_mine[j], mine[j]});
+    }
+    std::sort(keyed.begin(), keyed.end());
+    std::vector<size_t> victims;
+    for (size_t r = 0; r < n_evict; ++r) victims.push_back(keyed[r].second);
+    std::sort(victims.begin(), victims.end());
+    return victims;
+}
+
+void test_evictor_per_head() {
+    using V = std::vector<size_t>;
+    const std::vector<int64_t> logical{0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+    const kvp::Protection protection{2, 3};  // candidates: indices 2..6
+    // Three heads; heads 1 and 2 want candidate 6, which head 0 ranks last.
+    //   candidate   2   3   4   5   6
+    //   head 0      5   4   3   2   0
+    //   heads 1, 2  0   1   2   3   9
+    std::vector<std::vector<float>> rows(10, std::vector<float>{0, 0, 0});
+    const float head0[] = {5, 4, 3, 2, 0}, others[] = {0, 1, 2, 3, 9};
+    for (size_t j = 0; j < 5; ++j) rows[j + 2] = {head0[j], others[j], others[j]};
+    const kvp::Ledger per_head = make_per_head_ledger(logical, rows, 3);
+    const kvp::Ledger shared = make_ledger(logical, rows);
+    // Consensus 0: every head by its own column.
+    CHECK(kvp::select_victims_per_head(per_head, protection, 1) == (std::vector<V>{V{6}, V{2}, V{2}}));
+    CHECK(kvp::select_victims_per_head(per_head, protection, 2, 0.0) == (std::vector<V>{V{5, 6}, V{2, 3}, V{2, 3}}));
+    // Consensus 1 from a common start: every head evicts exactly what shared mode's sum_softmax evicts.
+    for (size_t n = 1; n <= 5; ++n) {
+        const V expected = kvp::select_victims(shared, protection, n, kvp::HeadCombine::sum_softmax);
+        CHECK(kvp::select_victims_per_head(per_head, protection, n, 1.0) == (std::vector<V>(3, expected)));
+    }
+    CHECK(kvp::select_victims(shared, protection, 1, kvp::HeadCombine::sum_softmax) == V{5});
+    // Half way: head 0 now keeps the token the other heads want and gives up its second-lowest instead.
+    CHECK(kvp::select_victims_per_head(per_head, protection, 1, 0.5)[0] == V{5});
+    // A one-column policy scores every head alike: the consensus changes nothing.
+    const kvp::Ledger one_column = make_per_head_ledger(logical, {{-9}, {-9}, {3}, {1}, {5}, {1}, {0.5f}, {-9}, {-9}, {-9}}, 2);
+    for (double w : {0.0, 0.5, 1.0})
+        CHECK(kvp::select_victims_per_head(one_column, protection, 2, w) == (std::vector<V>{V{3, 6}, V{3, 6}}));
+    for (double w : {-0.1, 1.5, std::nan("")})
+        CHECK(throws<std::invalid_argument>([&] { kvp::select_victims_per_head(per_head, protection, 1, w); }));
+
+    // Random scores, heads that already hold different tokens, several weights: against the float64 reference.
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    constexpr int n_heads = 4, n_tokens = 40;
+    std::vector<int64_t> positions(n_tokens);
+    std::vector<std::vector<float>> random_rows(n_tokens, std::vector<float>(n_heads));
+    for (int i = 0; i < n_tokens; ++i) {
+        positions[size_t(i)] = i;
+        for (float& x : random_rows[size_t(i)]) x = normal(rng);
+    }
+    kvp::Ledger mixed = make_per_head_ledger(positions, random_rows, n_heads);
+    for (int h = 0; h < n_heads; ++h)
+        for (int i = 5 + h; i < n_tokens - 5; i += 3 + h) mixed.release(size_t(i), h);
+    const std::vector<size_t> candidates = kvp::eviction_candidates(mixed, protection);
+    bool all_match = true, some_differ = false;
+    for (double w : {0.0, 0.1, 0.3, 0.5, 0.8, 1.0}) {
+        const auto victims = kvp::select_victims_per_head(mixed, protection, 6, w);
+        for (int h = 0; h < n_heads; ++h) {
+            all_match &= victims[size_t(h)] == reference_head_victims(mixed, candidates, h, 6, w);
+            some_differ |= victims[size_t(h)] != reference_head_victims(mixed, candidates, h, 6, 0.0);
+        }
+    }
+    CHECK(all_match);
+    CHECK(some_differ);  // the weight matters on this ledger, so the comparison is not vacuous
+    std::printf("  evictor: per-head victims with head consensus\n");
+}
+
 // --- ledger image --------------------------------------------------------------------------------------------------
 
 void test_ledger_image() {
@@ -503,6 +607,7 @@ int main(int argc, char** argv) {
             test_scorer(policy, uint32_t(i));
         }
         test_evictor();
+        test_evictor_per_head();
         test_ledger_image();
         test_per_head_ledger_image();
         test_keydiff_per_head();

@@ -1,0 +1,218 @@
+"""``python -m kvp_cpp.compare LOG.samples.jsonl [...] --reference kvp:NAME``: paired comparisons of kvp-bench runs.
+
+kvp-bench's table gives each policy's mean score and its standard error. Policies that run on the same samples
+are better compared sample by sample: the difference of two policies on each sample, averaged, has a much
+smaller standard error than either mean, because the samples' difficulty cancels. This reads kvp-bench's
+per-sample logs (``-o X.json`` writes ``X.samples.jsonl``) and prints, per (protocol, variant, length), in
+Markdown:
+
+* the mean score over tasks of every series at every budget, on the samples that every series completed
+  (RULER's aggregation: the unweighted mean of the task means), and the full cache's;
+* the reference series minus each other series, paired over those samples: mean ± standard error, and on how
+  many samples the reference did better / worse;
+* the same two tables restricted to the tasks where the full cache scores at least ``--min-full`` (a model that
+  fails a task with its whole cache says nothing about eviction on it);
+* each task's means.
+
+A series is a policy in a KV mode (``keydiff``, ``keydiff (per head)``). Several logs may be given; ``LOG@TAG``
+appends `` [TAG]`` to the series of that log, so that runs of the same policy with different settings (say
+``--head-consensus``) are told apart. ``--json`` writes the same numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import sys
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .plot import PER_HEAD_SUFFIX, short_label
+
+FULL = "full"
+Panel = Tuple[str, str, int]  # protocol, variant, length
+Sample = Tuple[str, int]      # task, index
+
+
+def series_name(record: dict, tag: str = "") -> str:
+    name = short_label(record["policy"])
+    if record.get("kv_mode") == "per_head":
+        name += PER_HEAD_SUFFIX
+    return f"{name} [{tag}]" if tag else name
+
+
+def read_logs(paths: Sequence[str]) -> List[dict]:
+    """Records of kvp-bench per-sample logs; ``PATH@TAG`` tags that log's series. A cut-off last line is skipped;
+    a record seen twice (a resumed run) counts once."""
+    records, seen = [], set()
+    for spec in paths:
+        path, _, tag = spec.partition("@")
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if not isinstance(record, dict) or "score" not in record or record.get("metric") == "mean_nll":
+                    continue
+                record["series"] = FULL if record["policy"] == FULL else series_name(record, tag)
+                key = (record.get("protocol"), record.get("variant"), record.get("length"), record["task"],
+                       record["index"], record["series"], record.get("budget"))
+                if key not in seen:
+                    seen.add(key)
+                    records.append(record)
+    return records
+
+
+def mean_and_stderr(values: Sequence[float]) -> Tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    variance = sum((x - mean) ** 2 for x in values) / (n - 1)
+    return mean, math.sqrt(variance / n)
+
+
+def compare_panel(records: Iterable[dict], reference: Optional[str], budgets: Optional[Sequence[int]] = None,
+                  max_samples: int = 0, min_full: Optional[float] = None) -> dict:
+    """One (protocol, variant, length): scores on the samples complete for every series, budget and the full cache."""
+    score: Dict[tuple, float] = {}
+    series_budgets: Dict[str, set] = collections.defaultdict(set)
+    for r in records:
+        score[(r["series"], r.get("budget"), r["task"], r["index"])] = float(r["score"])
+        if r["series"] != FULL:
+            series_budgets[r["series"]].add(r["budget"])
+    all_budgets = sorted(set(budgets) if budgets else set.union(*series_budgets.values()) if series_budgets else set())
+    series = sorted(series_budgets, key=lambda s: (s != reference, s))
+    samples = sorted({(r["task"], r["index"]) for r in records}, key=lambda s: (s[1], s[0]))
+    complete = [s for s in samples
+                if (FULL, None) + s in score and all((n, b) + s in score for n in series for b in all_budgets)]
+    if max_samples > 0:  # the first N complete samples of each task, by index
+        kept, taken = [], collections.Counter()
+        for task, index in complete:
+            taken[task] += 1
+            if taken[task] <= max_samples:
+                kept.append((task, index))
+        complete = kept
+    tasks = sorted({t for t, _ in complete})
+    per_task = collections.Counter(t for t, _ in complete)
+    full = {t: sum(score[(FULL, None, t, i)] for u, i in complete if u == t) / per_task[t] for t in tasks}
+    if min_full is not None:  # a mean of thirds that should be 30 may come out as 29.999...
+        tasks = [t for t in tasks if full[t] >= min_full - 1e-9]
+        complete = [s for s in complete if s[0] in tasks]
+
+    def task_mean(name: str, budget, task: str) -> float:
+        values = [score[(name, budget, t, i)] for t, i in complete if t == task]
+        return sum(values) / len(values)
+
+    result = {"tasks": tasks, "samples_per_task": {t: per_task[t] for t in tasks}, "budgets": all_budgets,
+              "full": {"mean": sum(full[t] for t in tasks) / len(tasks) if tasks else float("nan"),
+                       "per_task": {t: full[t] for t in tasks}},
+              "series": {}, "paired": {}}
+    for name in series:
+        result["series"][name] = {
+            str(b): {"mean": sum(task_mean(name, b, t) for t in tasks) / len(tasks) if tasks else float("nan"),
+                     "per_task": {t: task_mean(name, b, t) for t in tasks}} for b in all_budgets}
+    if reference is not None and reference in series_budgets and complete:
+        for name in series:
+            if name == reference:
+                continue
+            result["paired"][name] = {}
+            for b in all_budgets:
+                differences = [score[(reference, b) + s] - score[(name, b) + s] for s in complete]
+                mean, stderr = mean_and_stderr(differences)
+                result["paired"][name][str(b)] = {
+                    "mean": mean, "stderr": stderr, "n": len(differences),
+                    "better": sum(d > 0 for d in differences), "worse": sum(d < 0 for d in differences)}
+    return result
+
+
+def compare(records: Sequence[dict], reference: Optional[str], **options) -> Dict[Panel, dict]:
+    panels: Dict[Panel, List[dict]] = collections.OrderedDict()
+    for r in records:
+        panels.setdefault((r.get("protocol", ""), r.get("variant", ""), r.get("length", 0)), []).append(r)
+    return {panel: compare_panel(members, reference, **options) for panel, members in panels.items()}
+
+
+def _number(x: float) -> str:
+    return "–" if x != x else f"{x:.1f}"
+
+
+def markdown(panel: Panel, result: dict, reference: Optional[str], title: str = "") -> str:
+    budgets = result["budgets"]
+    n = sum(result["samples_per_task"].values())
+    lines = [f"### {panel[0]}, {panel[1]}, {panel[2]} tokens{title}: {len(result['tasks'])} tasks, {n} samples "
+             f"complete for every series", "",
+             "| series | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for name, by_budget in result["series"].items():
+        label = f"**{name}**" if name == reference else name
+        lines.append(f"| {label} | " + " | ".join(_number(by_budget[str(b)]["mean"]) for b in budgets) + " |")
+    lines.append(f"| full cache | {_number(result['full']['mean'])} |" + " |" * (len(budgets) - 1))
+    if result["paired"]:
+        lines += ["", f"{reference} minus each series, paired (mean ± standard error; samples better / worse):", "",
+                  "| vs | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+        for name, by_budget in result["paired"].items():
+            cells = [f"{d['mean']:+.1f} ± {d['stderr']:.1f} ({d['better']}/{d['worse']})"
+                     for d in (by_budget[str(b)] for b in budgets)]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| series | budget | " + " | ".join(result["tasks"]) + " |",
+              "|---|---|" + "---|" * len(result["tasks"])]
+    lines.append("| full cache | | " + " | ".join(_number(result["full"]["per_task"][t]) for t in result["tasks"]) + " |")
+    for name, by_budget in result["series"].items():
+        for b in budgets:
+            lines.append(f"| {name} | {b} | " +
+                         " | ".join(_number(by_budget[str(b)]["per_task"][t]) for t in result["tasks"]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvp_cpp.compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("logs", nargs="+", help="kvp-bench per-sample logs (X.samples.jsonl), each optionally @TAG")
+    parser.add_argument("--reference", default=None,
+                        help="the series the others are compared with (default: the first learned policy, kvp:...)")
+    parser.add_argument("--budgets", default=None, help="comma-separated budgets (default: every budget logged)")
+    parser.add_argument("--samples", type=int, default=0, help="at most N samples per task (default: all complete)")
+    parser.add_argument("--min-full", type=float, default=30.0,
+                        help="the restricted tables keep tasks where the full cache scores at least this (default 30)")
+    parser.add_argument("--series", default=None, help="comma-separated series to keep (default: all)")
+    parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    args = parser.parse_args(argv)
+
+    records = read_logs(args.logs)
+    if args.series:
+        keep = set(args.series.split(",")) | {FULL}
+        unknown = keep - {r["series"] for r in records}
+        if unknown:
+            raise SystemExit(f"no series {sorted(unknown)} in the logs; they hold {sorted({r['series'] for r in records})}")
+        records = [r for r in records if r["series"] in keep]
+    if not records:
+        raise SystemExit("the logs hold no task results")
+    names = sorted({r["series"] for r in records} - {FULL})
+    reference = args.reference or next((s for s in names if s.startswith("kvp:")), None)
+    if reference is not None and reference not in names:
+        raise SystemExit(f"no series {reference!r} in the logs; they hold {names}")
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
+    options = dict(budgets=budgets, max_samples=args.samples)
+    everything = compare(records, reference, **options)
+    restricted = compare(records, reference, min_full=args.min_full, **options)
+    out = {}
+    for panel, result in everything.items():
+        if not result["tasks"]:
+            print(f"{panel}: no sample is complete for every series and budget", file=sys.stderr)
+            continue
+        print(markdown(panel, result, reference))
+        print()
+        solvable = restricted[panel]
+        if solvable["tasks"] and solvable["tasks"] != result["tasks"]:
+            print(markdown(panel, solvable, reference, f", tasks where the full cache scores ≥ {args.min_full:g}"))
+            print()
+        out["/".join(map(str, panel))] = {"all_tasks": result, "full_at_least": {"min_full": args.min_full,
+                                                                                  **solvable}}
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"logs": args.logs, "reference": reference, "panels": out}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""kvp_cpp.compare: paired comparisons of kvp-bench per-sample logs, on hand-made logs whose numbers are worked out
+here by hand."""
+import json
+import math
+
+import pytest
+
+from kvp_cpp import compare
+
+
+def record(task, index, policy, budget, score, kv_mode="shared", length=2048):
+    return {"model": "m.gguf", "protocol": "oneshot", "variant": "question_included", "task": task,
+            "length": length, "index": index, "policy": policy, "kv_mode": kv_mode, "budget": budget,
+            "metric": "string_match_all", "score": score}
+
+
+# Two tasks, three samples each. kvp and keydiff at budgets 128 and 256; the full cache solves "easy" (100) and
+# not "hard" (0). Sample ("hard", 2) lacks keydiff@256, so it is not complete and every table leaves it out.
+KVP = "kvp:models/x.kvp.bin"
+SCORES = {  # (task, index): (full, kvp@128, kvp@256, keydiff@128, keydiff@256)
+    ("easy", 0): (100, 100, 100, 0, 100),
+    ("easy", 1): (100, 0, 100, 0, 100),
+    ("easy", 2): (100, 100, 100, 100, 0),
+    ("hard", 0): (0, 0, 0, 0, 0),
+    ("hard", 1): (0, 50, 0, 0, 0),
+    ("hard", 2): (0, 0, 0, 0, None),
+}
+
+
+def write_log(path, extra=()):
+    lines = []
+    for (task, index), (full, k128, k256, d128, d256) in SCORES.items():
+        lines.append(record(task, index, "full", None, full))
+        lines.append(record(task, index, KVP, 128, k128))
+        lines.append(record(task, index, KVP, 256, k256))
+        lines.append(record(task, index, "keydiff", 128, d128))
+        if d256 is not None:
+            lines.append(record(task, index, "keydiff", 256, d256))
+    lines += list(extra)
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+        f.write('{"task": "easy", "index": 0, "pol')  # a line cut off by an interrupted run
+
+
+def test_means_and_paired_differences_on_complete_samples(tmp_path):
+    log = tmp_path / "run.samples.jsonl"
+    write_log(log, extra=[record("easy", 0, KVP, 128, 100)])  # a resumed run wrote one result twice
+    records = compare.read_logs([str(log)])
+    result = compare.compare(records, "kvp:x")[("oneshot", "question_included", 2048)]
+    assert result["tasks"] == ["easy", "hard"] and result["samples_per_task"] == {"easy": 3, "hard": 2}
+    assert result["budgets"] == [128, 256]
+    assert result["full"]["mean"] == pytest.approx(50.0)
+    # kvp@128: easy 200/3, hard 50/2 -> mean of task means (66.67 + 25) / 2
+    assert result["series"]["kvp:x"]["128"]["mean"] == pytest.approx((200 / 3 + 25) / 2)
+    assert result["series"]["keydiff"]["256"]["per_task"] == pytest.approx({"easy": 200 / 3, "hard": 0.0})
+    # paired kvp - keydiff at 128 over the 5 complete samples: 100, 0, 0, 0, 50
+    paired = result["paired"]["keydiff"]["128"]
+    differences = [100, 0, 0, 0, 50]
+    mean = sum(differences) / 5
+    stderr = math.sqrt(sum((d - mean) ** 2 for d in differences) / 4 / 5)
+    assert paired["mean"] == pytest.approx(mean) and paired["stderr"] == pytest.approx(stderr)
+    assert (paired["n"], paired["better"], paired["worse"]) == (5, 2, 0)
+    # at 256: 0, 0, +100, 0, 0
+    assert result["paired"]["keydiff"]["256"]["mean"] == pytest.approx(20.0)
+    assert (result["paired"]["keydiff"]["256"]["better"], result["paired"]["keydiff"]["256"]["worse"]) == (1, 0)
+
+
+def test_min_full_keeps_only_tasks_the_full_cache_solves(tmp_path):
+    log = tmp_path / "run.samples.jsonl"
+    write_log(log)
+    result = compare.compare(compare.read_logs([str(log)]), "kvp:x", min_full=30)[
+        ("oneshot", "question_included", 2048)]
+    assert result["tasks"] == ["easy"]
+    assert result["paired"]["keydiff"]["128"]["mean"] == pytest.approx(100 / 3)
+    assert result["paired"]["keydiff"]["128"]["n"] == 3
+
+
+def test_max_samples_takes_the_first_complete_samples_of_each_task(tmp_path):
+    log = tmp_path / "run.samples.jsonl"
+    write_log(log)
+    result = compare.compare(compare.read_logs([str(log)]), "kvp:x", max_samples=1)[
+        ("oneshot", "question_included", 2048)]
+    assert result["samples_per_task"] == {"easy": 1, "hard": 1}
+    assert result["paired"]["keydiff"]["128"]["mean"] == pytest.approx(50.0)  # easy 0: +100, hard 0: 0
+
+
+def test_tagged_logs_and_per_head_series_stay_apart(tmp_path, capsys):
+    first, second = tmp_path / "a.samples.jsonl", tmp_path / "b.samples.jsonl"
+    write_log(first)
+    per_head = [record(t, i, KVP, b, s, kv_mode="per_head")
+                for (t, i), scores in SCORES.items() for b, s in ((128, scores[1]), (256, 0))]
+    with open(second, "w", encoding="utf-8") as f:
+        for line in per_head:
+            f.write(json.dumps(line) + "\n")
+    names = {r["series"] for r in compare.read_logs([str(first), f"{second}@w0.5"])}
+    assert names == {"full", "kvp:x", "keydiff", "kvp:x (per head) [w0.5]"}
+    out_json = tmp_path / "cmp.json"
+    assert compare.main([str(first), f"{second}@w0.5", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "| **kvp:x** |" in text and "| kvp:x (per head) [w0.5] |" in text
+    assert "tasks where the full cache scores ≥ 30" in text
+    saved = json.loads(out_json.read_text())
+    panel = saved["panels"]["oneshot/question_included/2048"]
+    # per head at 256 scores 0 everywhere; shared kvp scores 100 on the three easy samples
+    assert panel["all_tasks"]["paired"]["kvp:x (per head) [w0.5]"]["256"]["mean"] == pytest.approx(60.0)
+    assert panel["full_at_least"]["tasks"] == ["easy"]
+
+
+def test_errors_name_the_problem(tmp_path):
+    log = tmp_path / "run.samples.jsonl"
+    write_log(log)
+    with pytest.raises(SystemExit, match="no series 'kvp:y'"):
+        compare.main([str(log), "--reference", "kvp:y"])
+    with pytest.raises(SystemExit, match="no series \\['tova'\\]"):
+        compare.main([str(log), "--series", "tova"])
+    empty = tmp_path / "empty.samples.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="no task results"):
+        compare.main([str(empty)])
