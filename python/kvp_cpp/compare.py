@@ -82,7 +82,7 @@ def compare_panel(records: Iterable[dict], reference: Optional[str], budgets: Op
         score[(r["series"], r.get("budget"), r["task"], r["index"])] = float(r["score"])
         if r["series"] != FULL:
             series_budgets[r["series"]].add(r["budget"])
-    all_budgets = sorted(set(budgets) if budgets else set.union(*series_budgets.values()) if series_budgets else set())
+    all_budgets = sorted(set(budgets) if budgets else set().union(*series_budgets.values()))
     series = sorted(series_budgets, key=lambda s: (s != reference, s))
     samples = sorted({(r["task"], r["index"]) for r in records}, key=lambda s: (s[1], s[0]))
     complete = [s for s in samples

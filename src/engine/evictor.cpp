@@ -23,6 +23,19 @@ const char* head_combine_name(HeadCombine combine) {
     return "unknown";
 }
 
+namespace {
+
+// x becomes softmax(x), shifted by its largest value; -inf entries get 0, and all of them 0 when none is finite.
+void softmax_in_place(std::vector<double>& x) {
+    const double peak = x.empty() ? -INFINITY : *std::max_element(x.begin(), x.end());
+    double total = 0.0;
+    for (double& v : x) total += (v = std::isfinite(peak) ? std::exp(v - peak) : 0.0);
+    if (total > 0.0)
+        for (double& v : x) v /= total;
+}
+
+}  // namespace
+
 std::vector<size_t> eviction_candidates(const Ledger& ledger, Protection protection) {
     std::vector<size_t> candidates;
     const size_t end = ledger.size() > protection.n_recent ? ledger.size() - protection.n_recent : 0;
@@ -57,13 +70,10 @@ std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector
         switch (combine) {
             case HeadCombine::sum_softmax:
             case HeadCombine::max_softmax: {
-                const double peak = *std::max_element(column.begin(), column.end());
-                double total = 0.0;
-                for (double& x : column) total += (x = std::exp(x - peak));
+                softmax_in_place(column);
                 for (size_t j = 0; j < m; ++j) {
-                    const double p = column[j] / total;
                     double& k = keep[finite[j]];
-                    k = combine == HeadCombine::sum_softmax ? k + p : std::max(k, p);
+                    k = combine == HeadCombine::sum_softmax ? k + column[j] : std::max(k, column[j]);
                 }
                 break;
             }
@@ -136,18 +146,14 @@ std::vector<std::vector<size_t>> select_victims_per_head(const Ledger& ledger, P
         if (n_evict > mine.size())
             throw std::logic_error("cannot evict " + std::to_string(n_evict) + " tokens from head " + std::to_string(h) +
                                    ": it holds only " + std::to_string(mine.size()) + " unprotected ones");
-        if (mixed && !mine.empty()) {
+        if (mixed) {
             // n_heads x ((1 - w) x this head's softmax over what it holds + w x the heads' mean vote): both parts
             // sum to about 1, so w is the share of the ranking that follows the other heads. Scaled by n_heads
             // so that w = 1 gives shared mode's keep-scores bit for bit.
-            const double peak = *std::max_element(key.begin(), key.end());
-            double total = 0.0;
-            for (double& k : key) total += (k = std::isfinite(peak) ? std::exp(k - peak) : 0.0);
-            for (size_t j = 0; j < key.size(); ++j) {
-                const double own = total > 0.0 ? key[j] / total : 0.0;
+            softmax_in_place(key);
+            for (size_t j = 0; j < key.size(); ++j)
                 key[j] = std::isinf(vote_of_mine[j]) ? -INFINITY
-                                                     : (1.0 - consensus) * n_heads * own + consensus * vote_of_mine[j];
-            }
+                                                     : (1.0 - consensus) * n_heads * key[j] + consensus * vote_of_mine[j];
         }
         order.resize(mine.size());
         std::iota(order.begin(), order.end(), size_t(0));
