@@ -85,6 +85,16 @@ def test_max_samples_takes_the_first_complete_samples_of_each_task(tmp_path):
     assert result["paired"]["keydiff"]["128"]["mean"] == pytest.approx(50.0)  # easy 0: +100, hard 0: 0
 
 
+def test_first_sample_leaves_out_the_earlier_samples(tmp_path):
+    log, out_json = tmp_path / "run.samples.jsonl", tmp_path / "cmp.json"
+    write_log(log)
+    assert compare.main([str(log), "--first-sample", "1", "--json", str(out_json)]) == 0
+    panel = json.loads(out_json.read_text())["panels"]["oneshot/question_included/2048"]["all_tasks"]
+    # complete samples from index 1: easy 1, easy 2, hard 1; kvp - keydiff at 128: 0, 0, +50
+    assert panel["samples_per_task"] == {"easy": 2, "hard": 1}
+    assert panel["paired"]["keydiff"]["128"]["mean"] == pytest.approx(50 / 3)
+
+
 def test_tagged_logs_and_per_head_series_stay_apart(tmp_path, capsys):
     first, second = tmp_path / "a.samples.jsonl", tmp_path / "b.samples.jsonl"
     write_log(first)

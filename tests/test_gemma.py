@@ -1,10 +1,17 @@
-"""Gemma 3 (interleaved sliding-window cache): eviction acts on both caches and never touches the window."""
+"""Gemma 3 (interleaved sliding-window cache): eviction acts on both caches and never touches the window; the
+training targets follow its sliding-window layers."""
+import os
+import sys
+
+import numpy as np
 import pytest
 
 import kvp_cpp
 from kvp_cpp import policy_file as pf
 
 from conftest import cached_positions
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for training/
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +26,12 @@ def test_gemma_identity(gemma_path):
                                                       head_dim_v=256, n_ctx_train=32768)
 
 
-@pytest.mark.parametrize("policy", ["streaming", "learned"])
+@pytest.mark.parametrize("policy", ["streaming", "learned", "kvp"])  # kvp: the shipped Gemma policy
 def test_gemma_eviction_keeps_the_sliding_window(gemma_path, tmp_path, policy):
+    if policy == "kvp":
+        shipped = pf.read_policy(kvp_cpp.shipped_policy_for(kvp_cpp.model_identity(gemma_path)))
+        assert [layer for layer in range(18) if shipped.layer_scored[layer]] == [5, 11, 17]  # the global layers
+        assert shipped.n_recent == 512
     if policy == "learned":
         policy = str(tmp_path / "gemma.kvp.bin")
         pf.write_policy(policy, pf.random_policy(**kvp_cpp.model_identity(gemma_path), hidden=(16,)))
@@ -41,3 +52,27 @@ def test_gemma_eviction_keeps_the_sliding_window(gemma_path, tmp_path, policy):
 def test_gemma_budget_must_cover_the_window(gemma_path):
     with pytest.raises(ValueError, match="sliding window, 512 tokens"):
         kvp_cpp.Llama(gemma_path, n_ctx=256, kv_policy="streaming", verbose=False)
+
+
+def test_sliding_layers_follow_llama_cpp(gemma_path, model_path):
+    from kvp_cpp.capture import TensorCapture
+    from training.capture_traces import sliding_layers
+
+    for path, expected in ((gemma_path, (512, [l for l in range(18) if l not in (5, 11, 17)])), (model_path, (0, []))):
+        identity = kvp_cpp.model_identity(path)
+        capture = TensorCapture(path, names=("Kcur",), layers=[0], n_ctx=256, n_batch=64)
+        try:
+            assert sliding_layers(capture.llm, identity["arch"], identity["n_layer"]) == expected
+        finally:
+            capture.close()
+
+
+def test_capture_checks_the_recomputed_attention_in_every_layer(gemma_path):
+    """The targets' attention, with the window in the sliding layers, is llama.cpp's own in all 18 layers over 640
+    tokens (past the 512-token window); without the window the check refuses the first sliding layer."""
+    from training.capture_traces import check_recomputed_attention
+
+    sliding = [layer for layer in range(18) if layer not in (5, 11, 17)]
+    assert check_recomputed_attention(gemma_path, 1 / np.sqrt(256), 512, sliding) < 1e-3
+    with pytest.raises(ValueError, match="in layer 0, the attention recomputed from Qcur/Kcur/Vcur differs"):
+        check_recomputed_attention(gemma_path, 1 / np.sqrt(256), 0, [])

@@ -71,3 +71,20 @@ def test_importance_sums_future_attention():
         per_head = np.stack([softmax(q[j, h] @ k[: j + 1, h // 3].T * 0.5)[:30] for h in range(9)])
         brute += per_head.reshape(3, 3, 30).max(axis=1)  # max over each KV head's group of 3 query heads
     np.testing.assert_allclose(imp, brute, rtol=1e-10)
+
+
+def test_windowed_importance_sees_only_the_window():
+    rng = np.random.default_rng(1)
+    q, k = rng.standard_normal((40, 4, 8)), rng.standard_normal((40, 1, 8))
+    window = 7
+    imp = importance(q, k, cut=30, n_future=10, scale=0.5, window=window)
+    brute = np.zeros((1, 30))
+    for j in range(30, 40):
+        first = j - window + 1  # query j sees keys j-window+1 .. j, as llama.cpp's standard sliding-window mask
+        per_head = np.zeros((4, 30))
+        for h in range(4):
+            weights = softmax(q[j, h] @ k[first: j + 1, 0].T * 0.5)
+            per_head[h, min(first, 30):30] = weights[: max(0, 30 - first)]
+        brute += per_head.max(axis=0)
+    np.testing.assert_allclose(imp, brute, rtol=1e-10)
+    assert np.all(imp[:, : 30 - window + 1] == 0) and np.all(imp[:, 30 - window + 1:] > 0)  # only the first window

@@ -387,3 +387,44 @@ def test_trace_reader_takes_a_future_per_cut_and_rejects_one_that_does_not_fit(t
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(TraceFormatError, match="2 futures for 3 cuts"):
         TraceSet(tmp_path)
+
+
+def test_sliding_window_traces_train_the_global_layers_past_the_window(tmp_path):
+    """A model with sliding-window layers (Gemma 3): by default only the layers that attend to the whole context get
+    agents, and the window, which the engine always keeps, is never ranked."""
+    write_synthetic_traces(tmp_path, n_sequences=4, n_tokens=192, cuts=(64, 96, 128), n_layer=3, n_future=32)
+    manifest_path = tmp_path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["model"].update(sliding_window=70, sliding_layers=[0, 1])
+    manifest_path.write_text(json.dumps(manifest))
+    traces = TraceSet(tmp_path)
+    assert traces.sliding_window == 70 and traces.global_layers == [2]
+    result = run_training(str(tmp_path), tmp_path / "p.kvp.bin", "--steps", "3")
+    policy = pf.read_policy(str(tmp_path / "p.kvp.bin"))
+    assert policy.layer_scored == [False, False, True] and policy.n_recent == 70
+    assert result.trainer.train_sequences == [(0, [96, 128]), (1, [96, 128]), (2, [96, 128])]  # cuts > 4 + 70 + 1
+    assert ev.evaluate(traces)["layers"] == [2] and ev.evaluate(traces)["n_recent"] == 70  # baselines: the same
+    explicit = run_training(str(tmp_path), tmp_path / "q.kvp.bin", "--steps", "1", "--layers", "1,2",
+                            "--n-recent", "16")
+    assert explicit.trainer.layers == [1, 2] and pf.read_policy(str(tmp_path / "q.kvp.bin")).n_recent == 16
+
+
+def test_a_base_model_without_chat_template_gets_plain_dialogues():
+    from training.capture_traces import SEED_CHATS, chat_documents
+
+    class BaseModel:  # what chat_documents asks of a llama_cpp.Llama without tokenizer.chat_template
+        metadata = {}
+        prompts = []
+
+        def create_completion(self, prompt, *, max_tokens, temperature, seed, stop):
+            assert stop == ["\nUser:"] and max_tokens == 160
+            self.prompts.append(prompt)
+            return {"choices": [{"text": f" reply {seed}.\n"}]}
+
+    llm = BaseModel()
+    (kind, name, text, anchors), = list(chat_documents(llm, 1, seed=5))
+    assert (kind, name, anchors) == ("chats", "chat/0", ())
+    messages = [m for first, rest in SEED_CHATS[:3] for m in (first, *rest)]  # three seed chats in a row
+    expected = "".join(f"User: {m}\nAssistant: reply {5 + t}.\n" for t, m in enumerate(messages))
+    assert text == expected
+    assert llm.prompts[1] == f"User: {messages[0]}\nAssistant: reply 5.\nUser: {messages[1]}\nAssistant:"

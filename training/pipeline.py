@@ -2,6 +2,10 @@
 
     python -m training.pipeline --out runs/smollm2                    # the shipped policy's recipe (about 85 min)
     python -m training.pipeline --out runs/x -m other.gguf --objective rl --steps 1200
+    python -m training.pipeline --out runs/gemma3 -m gemma-3-270m-q4_k_m.gguf   # agents for its 3 global layers
+
+A model with sliding-window layers (Gemma 3) gets agents only for the layers that attend to the whole context, and
+its policy ranks only tokens older than the window, which the engine always keeps (docs/traces.md).
 
 Steps, each resumable (rerun the same command after an interruption; finished steps are skipped):
 

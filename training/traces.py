@@ -110,6 +110,17 @@ class TraceSet:
     def n_ctx_train(self) -> int:
         return int(self.model["n_ctx_train"])
 
+    @property
+    def sliding_window(self) -> int:
+        """Tokens a sliding-window layer attends to (0: the model has none)."""
+        return int(self.model.get("sliding_window", 0))
+
+    @property
+    def global_layers(self) -> list:
+        """The layers that attend to the whole context: where eviction decides what attention loses."""
+        sliding = set(self.model.get("sliding_layers", []))
+        return [layer for layer in range(self.n_layer) if layer not in sliding]
+
     def identity(self) -> dict:
         """The model identity fields of a kvp.bin policy for this model."""
         return {name: self.model[name] for name in _MODEL_FIELDS}

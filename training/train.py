@@ -74,9 +74,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=5.0, help="per-agent gradient norm limit")
     parser.add_argument("--samples", type=int, default=16, help="K, rankings sampled per prefix (rl)")
     parser.add_argument("--prefixes-per-step", type=int, default=2, help="(sequence, cut) pairs per step")
-    parser.add_argument("--layers", type=_int_list, help="comma-separated layers to train (default all)")
+    parser.add_argument("--layers", type=_int_list,
+                        help="comma-separated layers to train (default: every layer that attends to the whole "
+                             "context; a sliding-window layer never sees the tokens eviction chooses from)")
     parser.add_argument("--n-sink", type=int, default=4, help="first tokens never ranked (and the policy's default)")
-    parser.add_argument("--n-recent", type=int, default=16, help="last tokens never ranked (and the policy's default)")
+    parser.add_argument("--n-recent", type=int,
+                        help="last tokens never ranked (and the policy's default); default 16, or the model's "
+                             "sliding window, which the engine always keeps")
     parser.add_argument("--stat-tokens", type=int, default=65536,
                         help="training tokens (evenly strided) that the input normalisation is computed from")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it)")
@@ -165,7 +169,9 @@ class Trainer:
     def __init__(self, traces: TraceSet, args: argparse.Namespace, statistics=None):
         self.traces = traces
         self.args = args
-        self.layers = list(range(traces.n_layer)) if args.layers is None else list(args.layers)
+        if args.n_recent is None:
+            args.n_recent = max(16, traces.sliding_window)
+        self.layers = traces.global_layers if args.layers is None else list(args.layers)
         if not self.layers or any(not 0 <= layer < traces.n_layer for layer in self.layers):
             raise ValueError(f"--layers {self.layers} must be within 0..{traces.n_layer - 1}")
         self.features = pf.default_pos_features(traces.n_ctx_train)

@@ -172,13 +172,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the series the others are compared with (default: the first learned policy, kvp:...)")
     parser.add_argument("--budgets", default=None, help="comma-separated budgets (default: every budget logged)")
     parser.add_argument("--samples", type=int, default=0, help="at most N samples per task (default: all complete)")
+    parser.add_argument("--first-sample", type=int, default=0,
+                        help="leave out samples whose index is below N: the fresh samples of a longer run, to "
+                             "confirm a choice made on the first N")
     parser.add_argument("--min-full", type=float, default=30.0,
                         help="the restricted tables keep tasks where the full cache scores at least this (default 30)")
     parser.add_argument("--series", default=None, help="comma-separated series to keep (default: all)")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args(argv)
 
-    records = read_logs(args.logs)
+    records = [r for r in read_logs(args.logs) if r["index"] >= args.first_sample]
     if args.series:
         keep = set(args.series.split(",")) | {FULL}
         unknown = keep - {r["series"] for r in records}

@@ -192,6 +192,9 @@ void Engine::attach(llama_context* ctx) {
         if (!enable || !n_layer || !n_head_kv || !kvp_evict_)
             throw std::runtime_error("kv_mode='per_head' needs the patched llama.cpp (llama_kvp_*), and this process "
                                      "loaded the stock one");
+        if (!kvp_head_pos_)
+            throw std::runtime_error("this patched llama.cpp lacks llama_kvp_head_pos, which per-head mode needs to "
+                                     "save its state: rebuild it (python -m kvp_cpp.llama_build)");
         if (enable(ctx) != 0)
             throw std::invalid_argument("this model's KV cache cannot evict per head (one sequence, no sliding "
                                         "window, ALiBi or M-RoPE); see llama.cpp's log");
