@@ -170,7 +170,7 @@ class Trainer:
         self.traces = traces
         self.args = args
         if args.n_recent is None:
-            args.n_recent = max(16, traces.sliding_window)
+            args.n_recent = max(ev.DEFAULT_RECENT, traces.sliding_window)
         self.layers = traces.global_layers if args.layers is None else list(args.layers)
         if not self.layers or any(not 0 <= layer < traces.n_layer for layer in self.layers):
             raise ValueError(f"--layers {self.layers} must be within 0..{traces.n_layer - 1}")
