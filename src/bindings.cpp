@@ -1,6 +1,7 @@
 // Thin nanobind layer: numpy in, numpy out, the GIL released around native work.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -92,6 +93,7 @@ NB_MODULE(_core, m) {
     m.doc() = "kvp-cpp native core: policy format, scorer kernels and the llama.cpp eviction engine";
 
     nb::exception<kvp::FormatError>(m, "PolicyFormatError", PyExc_ValueError);
+    m.attr("DEFAULT_HEAD_CONSENSUS") = kvp::kDefaultHeadConsensus;
 
     // --- what this build was compiled against, and what is loaded -------------------------------------------
     m.def("build_info", [] {
@@ -254,7 +256,7 @@ NB_MODULE(_core, m) {
             [](kvp::Engine* self, uintptr_t model, const std::string& policy, int64_t budget, int64_t n_sink,
                int64_t n_recent, const std::string& position_mode, double evict_fraction, const std::string& combine,
                int64_t compact_limit, uint64_t seed, const std::string& kernel, int n_threads, bool per_head,
-               double head_consensus, const std::string& scoring) {
+               std::optional<double> head_consensus, const std::string& scoring) {
                 const auto* llama_model_ptr = reinterpret_cast<const llama_model*>(model);
                 kvp::PolicyOptions options{seed, kernel, n_threads};
                 kvp::EngineConfig config;
@@ -275,7 +277,7 @@ NB_MODULE(_core, m) {
             },
             "model"_a, "policy"_a, "budget"_a, "n_sink"_a = -1, "n_recent"_a = -1, "position_mode"_a = "compact",
             "evict_fraction"_a = 0.0625, "combine"_a = "sum_softmax", "compact_limit"_a = 0, "seed"_a = 0,
-            "kernel"_a = "auto", "n_threads"_a = 0, "per_head"_a = false, "head_consensus"_a = 0.0,
+            "kernel"_a = "auto", "n_threads"_a = 0, "per_head"_a = false, "head_consensus"_a = nb::none(),
             "scoring"_a = "auto")
         .def_prop_ro("callback_address",
                      [](const kvp::Engine& e) {
@@ -283,6 +285,7 @@ NB_MODULE(_core, m) {
                      })
         .def_prop_ro("address", [](kvp::Engine& e) { return reinterpret_cast<uintptr_t>(&e); })
         .def_prop_ro("scores_in_graph", &kvp::Engine::scores_in_graph)
+        .def_prop_ro("head_consensus", [](const kvp::Engine& e) { return *e.config().head_consensus; })
         .def_prop_ro("policy_name", [](const kvp::Engine& e) { return e.policy().name(); })
         .def_prop_ro("identity", [](const kvp::Engine& e) { return identity_dict(e.identity()); })
         .def_prop_ro("max_batch", &kvp::Engine::max_batch)

@@ -396,12 +396,13 @@ def scenario_engine_per_head(args):
     mode = args.get("kv_mode", "per_head") if args["policy"] else "shared"
     llm = kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=budget, kv_policy=args["policy"], kv_mode=mode,
                         kv_position_mode=args.get("position_mode"), flash_attn=True, seed=0, verbose=False,
-                        n_threads=2, kv_head_consensus=args.get("consensus", 0.0) if mode == "per_head" else 0.0)
+                        n_threads=2, kv_head_consensus=args.get("consensus"))  # absent: the default
     out = llm.create_completion(PROMPT * args.get("repeat", 16), max_tokens=16, temperature=0.0)
     result = {"text": out["choices"][0]["text"], "n_cells": int(llama_cpp.llama_n_ctx(llm._ctx.ctx))}
     if args["policy"]:
         stats = llm.kv_stats()
-        result.update(tokens_evicted=stats["tokens_evicted"], cells_used=stats["cells_used"])
+        result.update(tokens_evicted=stats["tokens_evicted"], cells_used=stats["cells_used"],
+                      head_consensus=llm._kvp_engine.head_consensus)
     if mode == "per_head":
         hp = per_head.positions(llm, result["n_cells"])
         L, H = hp.shape[:2]

@@ -105,6 +105,11 @@ def test_tagged_logs_and_per_head_series_stay_apart(tmp_path, capsys):
             f.write(json.dumps(line) + "\n")
     names = {r["series"] for r in compare.read_logs([str(first), f"{second}@w0.5"])}
     assert names == {"full", "kvp:x", "keydiff", "kvp:x (per head) [w0.5]"}
+    # kvp-bench records the consensus of per-head results: 0 (and its absence, in older logs) is plain "per head"
+    consensus = tmp_path / "c.samples.jsonl"
+    consensus.write_text("".join(json.dumps(dict(r, head_consensus=w, index=r["index"] + 10 * k)) + "\n"
+                                 for k, w in enumerate((0, 0.9)) for r in per_head))
+    assert {r["series"] for r in compare.read_logs([str(consensus)])} == {"kvp:x (per head)", "kvp:x (per head, w0.9)"}
     out_json = tmp_path / "cmp.json"
     assert compare.main([str(first), f"{second}@w0.5", "--json", str(out_json)]) == 0
     text = capsys.readouterr().out

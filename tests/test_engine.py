@@ -276,6 +276,15 @@ def test_bad_arguments_raise_value_error(model_path, tmp_path, kwargs, message):
         kvp_cpp.Llama(model_path, n_ctx=128, verbose=False, **kwargs)
 
 
+def test_head_consensus_defaults_to_zero_in_shared_mode(model_path):
+    """Unset (None), the consensus resolves per mode: 0 in shared mode (per-head mode's 0.9 is tested in
+    test_per_head); an explicit 0 is accepted in shared mode."""
+    assert kvp_cpp._core.DEFAULT_HEAD_CONSENSUS == 0.9
+    for consensus in (None, 0):
+        llm = kvp_cpp.Llama(model_path, n_ctx=128, kv_policy="keydiff", kv_head_consensus=consensus, verbose=False)
+        assert llm._kvp_engine.head_consensus == 0.0
+
+
 def test_logical_limit_and_logits_all(model_path):
     llm = kvp_cpp.Llama(model_path, n_ctx=64, kv_policy="streaming", kv_max_tokens=100, verbose=False)
     with pytest.raises(ValueError, match="kv_max_tokens=100"):

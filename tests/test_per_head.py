@@ -141,9 +141,10 @@ KVP_FILE = pathlib.Path(__file__).resolve().parents[1] / "models" / "smollm2-135
 
 @pytest.mark.parametrize("policy", ["keydiff", str(KVP_FILE)], ids=["keydiff", "kvp"])
 def test_engine_per_head_mode(policy):
-    """kvp_cpp.Llama(kv_mode="per_head"): a prompt ~4x a 256-cell budget; every head's cell count, read from
-    the cache, is the engine's cells_used <= budget, and the 90 heads keep 90 different token sets."""
-    r = run_probe("engine_per_head", {"policy": policy}, patched=True)
+    """kvp_cpp.Llama(kv_mode="per_head"), each head by its own scores (consensus 0): a prompt ~4x a 256-cell budget;
+    every head's cell count, read from the cache, is the engine's cells_used <= budget, and the 90 heads keep 90
+    different token sets."""
+    r = run_probe("engine_per_head", {"policy": policy, "consensus": 0.0}, patched=True)
     assert r["n_cells"] == 256 and r["tokens_evicted"] > 500
     assert r["counts"] == [r["cells_used"]] and r["cells_used"] <= 256
     assert r["n_distinct_sets"] == 90
@@ -165,11 +166,14 @@ def test_engine_per_head_with_token_level_policy_is_the_shared_engine():
 def test_head_consensus_moves_per_head_eviction_towards_shared():
     """kv_head_consensus=1 ranks every head by shared mode's vote: from the same start every head keeps the same
     tokens and the text is the shared engine's (original positions in both). 0.5 keeps heads apart, but fewer
-    distinct token sets than 0."""
+    distinct token sets than 0. Unset, it is the documented default in per-head mode and 0 in shared mode."""
     args = {"policy": str(KVP_FILE), "position_mode": "original"}
     shared = run_probe("engine_per_head", dict(args, kv_mode="shared"), patched=True)
     full = run_probe("engine_per_head", dict(args, consensus=1.0), patched=True)
     half = run_probe("engine_per_head", dict(args, consensus=0.5), patched=True)
+    default = run_probe("engine_per_head", args, patched=True)
+    assert (shared["head_consensus"], half["head_consensus"], default["head_consensus"]) == (0.0, 0.5, 0.9)
+    assert 1 < default["n_distinct_sets"] < 90 and default["counts"] == [default["cells_used"]]
     assert full["n_distinct_sets"] == 1
     assert full["text"] == shared["text"]
     assert (full["tokens_evicted"], full["cells_used"]) == (shared["tokens_evicted"], shared["cells_used"])
@@ -306,6 +310,17 @@ def test_bench_compares_shared_and_per_head_side_by_side(tmp_path, model_path, b
         assert [records[key(r)][f] for f in fields] == [r[f] for f in fields], key(r)
     for r in bench_records(alone):
         assert [records[key(r)][f] for f in fields] == [r[f] for f in fields], key(r)
+        assert r["head_consensus"] == 0.9  # the default, recorded and part of the resume key
+    assert all("head_consensus" not in r for r in bench_records(stock))
+    # The same -o with another consensus computes its own result instead of resuming the default's; rerun, it resumes
+    n_alone = len(bench_records(alone))
+    for computed in (n_alone, 0):
+        launch_bench(*common, "--samples", "1", "--policies", "kvp", "--budgets", str(min(BENCH_BUDGETS)),
+                     "--kv-modes", "per_head", "--head-consensus", "0", "-o", str(alone))
+        run = json.loads(alone.read_text())["run"]
+        assert (run["results_computed"], run["results_resumed"]) == (computed, n_alone - computed)
+    assert sorted(r["head_consensus"] for r in bench_records(alone)) == [0.0] * n_alone + [0.9] * n_alone
+    assert json.loads(alone.read_text())["config"]["head_consensus"] == 0.0
 
     for k, r in records.items():
         if r["kv_mode"] != "per_head":

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,10 @@ enum class ScoringPath {
 ScoringPath scoring_path_from_name(const std::string& name);  // auto, callback, graph; throws std::invalid_argument
 const char* scoring_path_name(ScoringPath path);
 
+// Per-head mode's default head consensus: chosen on 2K retrieval tasks and confirmed on fresh samples, at 2K and
+// 4K (docs/per_head.md, "Head consensus"). With 0 a head drops the tokens only the question will need.
+inline constexpr double kDefaultHeadConsensus = 0.9;
+
 struct EngineConfig {
     int64_t budget = 0;            // cells this sequence may hold
     Protection protection;         // first n_sink and last n_recent tokens stay
@@ -58,8 +63,9 @@ struct EngineConfig {
     // llama.cpp, looked up at attach time). Needs position_mode original.
     bool per_head = false;
     // Per-head mode: the share of each head's keep-score that follows all heads' vote (select_victims_per_head);
-    // 0 = every head by its own score, 1 = every head by shared mode's ranking.
-    double head_consensus = 0.0;
+    // 0 = every head by its own score, 1 = every head by shared mode's ranking. Unset: kDefaultHeadConsensus in
+    // per-head mode, 0 in shared mode; the engine's config() holds the resolved value.
+    std::optional<double> head_consensus;
     ScoringPath scoring = ScoringPath::automatic;
 };
 

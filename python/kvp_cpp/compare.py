@@ -14,9 +14,10 @@ Markdown:
   fails a task with its whole cache says nothing about eviction on it);
 * each task's means.
 
-A series is a policy in a KV mode (``keydiff``, ``keydiff (per head)``). Several logs may be given; ``LOG@TAG``
-appends `` [TAG]`` to the series of that log, so that runs of the same policy with different settings (say
-``--head-consensus``) are told apart. ``--json`` writes the same numbers.
+A series is a policy in a KV mode with, per head, its head consensus when not 0 (``keydiff``, ``keydiff (per
+head)``, ``kvp:x (per head, w0.9)``; per-head records written before kvp-bench recorded the consensus count as 0).
+Several logs may be given; ``LOG@TAG`` appends `` [TAG]`` to the series of that log, so that runs of the same
+policy with other settings (say ``--sink``) are told apart. ``--json`` writes the same numbers.
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ Sample = Tuple[str, int]      # task, index
 def series_name(record: dict, tag: str = "") -> str:
     name = short_label(record["policy"])
     if record.get("kv_mode") == "per_head":
-        name += PER_HEAD_SUFFIX
+        consensus = record.get("head_consensus", 0)
+        name += PER_HEAD_SUFFIX if consensus == 0 else f"{PER_HEAD_SUFFIX[:-1]}, w{consensus:g})"
     return f"{name} [{tag}]" if tag else name
 
 

@@ -138,9 +138,10 @@ class Llama(llama_cpp.Llama):
     - ``kv_mode``: ``"shared"`` (default; one token set for all heads, any llama.cpp) or ``"per_head"`` (each
       (layer, KV head) keeps and evicts its own tokens; needs the patched llama.cpp, ``KVP_CPP_LLAMA=per_head`` and
       ``python -m kvp_cpp.llama_build``, and original positions; see docs/per_head.md). ``kv_head_combine`` does not apply to it.
-    - ``kv_head_consensus``: per-head mode only, a weight in [0, 1] (default 0): each head ranks its tokens by
-      ``(1 - w)`` x its own softmax + ``w`` x the mean of all heads' softmax, so that tokens many heads want stay in
-      every head; 1 evicts what shared mode would (docs/per_head.md).
+    - ``kv_head_consensus``: per-head mode only, a weight in [0, 1] (default ``None``: 0.9,
+      ``_core.DEFAULT_HEAD_CONSENSUS``, in per-head mode): each head ranks its tokens by ``(1 - w)`` x its own
+      softmax + ``w`` x the mean of all heads' softmax, so that tokens many heads want stay in every head; 0 is the
+      paper's independent per-head eviction, 1 evicts what shared mode would (docs/per_head.md).
     - ``kv_position_mode``: ``"compact"`` (default; ``"original"`` with ``kv_mode="per_head"``) shifts positions down over evicted gaps, lazily, only when the
       next position would reach the model's training context; ``"original"`` keeps every token's position.
     - ``kv_evict_fraction``: a full cache sheds at least this fraction of the budget at once (default 1/16).
@@ -168,7 +169,7 @@ class Llama(llama_cpp.Llama):
         kv_position_mode: Optional[str] = None,
         kv_evict_fraction: float = 0.0625,
         kv_head_combine: str = "sum_softmax",
-        kv_head_consensus: float = 0.0,
+        kv_head_consensus: Optional[float] = None,
         kv_seed: int = 0,
         kv_compact_limit: int = 0,
         kv_max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -208,7 +209,7 @@ class Llama(llama_cpp.Llama):
             n_sink=-1 if kv_sink is None else int(kv_sink), n_recent=-1 if kv_recent is None else int(kv_recent),
             position_mode=kv_position_mode, evict_fraction=float(kv_evict_fraction), combine=kv_head_combine,
             compact_limit=int(kv_compact_limit), seed=int(kv_seed), kernel=kv_kernel, n_threads=int(kv_threads),
-            per_head=kv_mode == "per_head", head_consensus=float(kv_head_consensus), scoring=kv_scoring,
+            per_head=kv_mode == "per_head", head_consensus=None if kv_head_consensus is None else float(kv_head_consensus), scoring=kv_scoring,
         )
         self._check_kv_cache_fits(int(budget))
         self._recreate_context(engine, int(budget))
@@ -270,13 +271,14 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"kv_head_combine must be one of {HEAD_COMBINES}, got {args['kv_head_combine']!r}")
         if not 0.0 <= float(args["kv_evict_fraction"]) <= 1.0:
             raise ValueError("kv_evict_fraction must be in [0, 1]")
-        consensus = args["kv_head_consensus"]
-        if isinstance(consensus, bool) or not isinstance(consensus, (int, float, np.integer, np.floating)) \
-                or not 0.0 <= float(consensus) <= 1.0:
-            raise ValueError(f"kv_head_consensus must be a number in [0, 1], got {consensus!r}")
-        if consensus != 0 and args["kv_mode"] != "per_head":
-            raise ValueError("kv_head_consensus applies to kv_mode='per_head' only (shared mode ranks by all heads' "
-                             "vote already)")
+        consensus = args["kv_head_consensus"]  # None: the engine's default for the mode
+        if consensus is not None:
+            if isinstance(consensus, bool) or not isinstance(consensus, (int, float, np.integer, np.floating)) \
+                    or not 0.0 <= float(consensus) <= 1.0:
+                raise ValueError(f"kv_head_consensus must be a number in [0, 1], got {consensus!r}")
+            if consensus != 0 and args["kv_mode"] != "per_head":
+                raise ValueError("kv_head_consensus applies to kv_mode='per_head' only (shared mode ranks by all "
+                                 "heads' vote already)")
         seed = args["kv_seed"]
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < (1 << 64):
             raise ValueError(f"kv_seed must be an integer in [0, 2**64), got {seed!r}")

@@ -68,7 +68,8 @@ engine
                             the launcher loads), or both: every policy runs in each, side by side. With per_head,
                             every engine keeps original positions (docs/per_head.md)
   --head-consensus W        per_head: each head ranks by (1 - W) x its own softmax + W x all heads' mean softmax,
-                            in [0, 1] (default 0: every head by its own scores; 1: shared mode's ranking)
+                            in [0, 1] (default 0.9, docs/per_head.md; 0: every head by its own scores, the paper's
+                            per-head eviction; 1: shared mode's ranking). Per-head results are keyed by it
   --scoring PATH             where learned policies' MLPs run: auto (default: in llama.cpp's decode graph with the
                             patched llama.cpp and a GPU, else on the CPU through the eval callback), callback, graph
   --seed N                  seed of the random policy (default 0)
@@ -288,10 +289,19 @@ json policies_json(const std::vector<PolicyFactory>& policies) {
     return out;
 }
 
+bool runs_per_head(const Options& o) {
+    return std::find(o.kv_modes.begin(), o.kv_modes.end(), kPerHeadMode) != o.kv_modes.end();
+}
+
+// The per-head engines' consensus, as the run used it; null when no engine runs per head.
+json head_consensus_json(const Options& o) {
+    return runs_per_head(o) ? json(o.engine.head_consensus.value_or(kDefaultHeadConsensus)) : json(nullptr);
+}
+
 // Before any work: each budget against each policy, and the patched llama.cpp for per-head mode.
 void check_policies(const std::vector<PolicyFactory>& policies, const Options& o) {
-    const bool per_head = std::find(o.kv_modes.begin(), o.kv_modes.end(), kPerHeadMode) != o.kv_modes.end();
-    if (o.engine.head_consensus != 0.0 && !per_head)
+    const bool per_head = runs_per_head(o);
+    if (o.engine.head_consensus.value_or(0.0) != 0.0 && !per_head)
         throw std::invalid_argument("--head-consensus applies to per-head eviction: add --kv-modes per_head");
     for (const PolicyFactory& policy : policies) {
         if (policy.is_full()) continue;
@@ -356,7 +366,7 @@ int run_speed_benchmark(const Options& o) {
                     {"decode_tokens", o.decode_tokens}, {"tokens", o.text_path.empty() ? "random" : o.text_path},
                     {"threads", o.n_threads}, {"batch_size", o.n_batch}, {"flash_attn", o.flash_attn},
                     {"combine", head_combine_name(o.engine.combine)}, {"evict_fraction", o.engine.evict_fraction},
-                    {"kv_modes", o.kv_modes}, {"head_consensus", o.engine.head_consensus},
+                    {"kv_modes", o.kv_modes}, {"head_consensus", head_consensus_json(o)},
                     {"scoring", scoring_path_name(o.engine.scoring)}}},
         {"run", run_json(wall)},
         {"files", {{"csv", csv_path}}},
@@ -436,7 +446,7 @@ int run_benchmark(const Options& o) {
                         {"combine", head_combine_name(o.engine.combine)},
                         {"evict_fraction", o.engine.evict_fraction},
                         {"kv_modes", o.kv_modes},
-                        {"head_consensus", o.engine.head_consensus},
+                        {"head_consensus", head_consensus_json(o)},
                         {"scoring", scoring_path_name(o.engine.scoring)},
                         {"threads", o.n_threads},
                         {"batch_size", o.n_batch},

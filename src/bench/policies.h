@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,7 +21,7 @@ struct EngineOptions {
     int64_t n_recent = -1;
     HeadCombine combine = HeadCombine::sum_softmax;
     double evict_fraction = 0.0625;
-    double head_consensus = 0.0;  // per-head engines: share of each head's ranking that follows all heads' vote
+    std::optional<double> head_consensus;  // per-head engines' share of all heads' vote; unset: kDefaultHeadConsensus
     ScoringPath scoring = ScoringPath::automatic;  // where learned policies' MLPs run
 };
 
@@ -34,6 +35,7 @@ public:
     // that a resumed sweep notices when the file behind a label changed.
     const std::string& file_digest() const { return file_digest_; }
     bool is_full() const { return source_.empty(); }
+    double per_head_consensus() const { return options_.head_consensus.value_or(kDefaultHeadConsensus); }
     const std::string& policy_name() const { return policy_name_; }  // the policy's own name(); "full" for full
     bool attention_based() const { return attention_based_; }        // scores from observed queries
     bool captures_kv() const { return captures_kv_; }

@@ -78,13 +78,15 @@ double round_to_cents(double value) {
 std::string RecordKey::str() const {
     const char sep = '\x1f';
     return model + sep + protocol + sep + variant + sep + task + sep + std::to_string(length) + sep +
-           std::to_string(index) + sep + policy + sep + std::to_string(budget) + sep + kv_mode;
+           std::to_string(index) + sep + policy + sep + std::to_string(budget) + sep + kv_mode +
+           (kv_mode == kPerHeadMode ? sep + shortest(head_consensus) : std::string());
 }
 
 RecordKey RecordKey::of(const json& r) {
     return {r.at("model").get<std::string>(),  r.at("protocol").get<std::string>(), r.at("variant").get<std::string>(),
             r.at("task").get<std::string>(),   r.at("length").get<int64_t>(),      r.at("index").get<int64_t>(),
-            r.at("policy").get<std::string>(), budget_of(r.at("budget")),  r.value("kv_mode", std::string(kSharedMode))};
+            r.at("policy").get<std::string>(), budget_of(r.at("budget")),  r.value("kv_mode", std::string(kSharedMode)),
+            r.value("head_consensus", 0.0)};
 }
 
 void RecordKey::write_to(json& r) const {
@@ -96,6 +98,7 @@ void RecordKey::write_to(json& r) const {
     r["index"] = index;
     r["policy"] = policy;
     r["kv_mode"] = kv_mode;
+    if (kv_mode == kPerHeadMode) r["head_consensus"] = head_consensus;
     r["budget"] = budget_json(budget);
 }
 

@@ -32,6 +32,9 @@ struct RecordKey {
     std::string policy;
     int64_t budget = kUnbounded;
     std::string kv_mode = kSharedMode;  // absent from logs written before per-head mode: shared
+    // Per-head records only (written and keyed for them): absent from logs written before it was recorded, when
+    // the default was 0.
+    double head_consensus = 0.0;
 
     std::string str() const;
     static RecordKey of(const json& record);

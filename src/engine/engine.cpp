@@ -121,10 +121,12 @@ Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy,
                                     std::to_string(min_budget) + window_note);
     if (!(config_.evict_fraction >= 0.0 && config_.evict_fraction <= 1.0))
         throw std::invalid_argument("kv_evict_fraction must be in [0, 1]");
-    if (!(config_.head_consensus >= 0.0 && config_.head_consensus <= 1.0))
-        throw std::invalid_argument("kv_head_consensus must be in [0, 1], got " + std::to_string(config_.head_consensus));
-    if (config_.head_consensus != 0.0 && !config_.per_head)
+    const double consensus = config_.head_consensus.value_or(config_.per_head ? kDefaultHeadConsensus : 0.0);
+    if (!(consensus >= 0.0 && consensus <= 1.0))
+        throw std::invalid_argument("kv_head_consensus must be in [0, 1], got " + std::to_string(consensus));
+    if (consensus != 0.0 && !config_.per_head)
         throw std::invalid_argument("kv_head_consensus applies to kv_mode='per_head' only");
+    config_.head_consensus = consensus;
     if (config_.per_head && config_.position_mode != PositionMode::original)
         throw std::invalid_argument("kv_mode='per_head' keeps original positions: use kv_position_mode='original'");
     if (config_.compact_limit <= 0) config_.compact_limit = identity_.n_ctx_train;
@@ -441,7 +443,7 @@ void Engine::evict_per_head(size_t n_evict) {
     const auto start = Clock::now();
     policy_->refresh_scores(ledger_);
     const std::vector<std::vector<size_t>> victims =
-        select_victims_per_head(ledger_, config_.protection, n_evict, config_.head_consensus);
+        select_victims_per_head(ledger_, config_.protection, n_evict, *config_.head_consensus);
     std::vector<int32_t> positions;
     positions.reserve(victims.size() * n_evict);
     for (const auto& head : victims)
