@@ -109,7 +109,7 @@ def test_tagged_logs_and_per_head_series_stay_apart(tmp_path, capsys):
     consensus = tmp_path / "c.samples.jsonl"
     consensus.write_text("".join(json.dumps(dict(r, head_consensus=w, index=r["index"] + 10 * k)) + "\n"
                                  for k, w in enumerate((0, 0.9)) for r in per_head))
-    assert {r["series"] for r in compare.read_logs([str(consensus)])} == {"kvp:x (per head)", "kvp:x (per head, w0.9)"}
+    assert {r["series"] for r in compare.read_logs([str(consensus)])} == {"kvp:x (per head)", "kvp:x (per head w=0.9)"}
     out_json = tmp_path / "cmp.json"
     assert compare.main([str(first), f"{second}@w0.5", "--json", str(out_json)]) == 0
     text = capsys.readouterr().out

@@ -15,7 +15,7 @@ Markdown:
 * each task's means.
 
 A series is a policy in a KV mode with, per head, its head consensus when not 0 (``keydiff``, ``keydiff (per
-head)``, ``kvp:x (per head, w0.9)``; per-head records written before kvp-bench recorded the consensus count as 0).
+head)``, ``kvp:x (per head w=0.9)``; per-head records written before kvp-bench recorded the consensus count as 0).
 Several logs may be given; ``LOG@TAG`` appends `` [TAG]`` to the series of that log, so that runs of the same
 policy with other settings (say ``--sink``) are told apart. ``--json`` writes the same numbers.
 """
@@ -39,7 +39,7 @@ def series_name(record: dict, tag: str = "") -> str:
     name = short_label(record["policy"])
     if record.get("kv_mode") == "per_head":
         consensus = record.get("head_consensus", 0)
-        name += PER_HEAD_SUFFIX if consensus == 0 else f"{PER_HEAD_SUFFIX[:-1]}, w{consensus:g})"
+        name += PER_HEAD_SUFFIX if consensus == 0 else f"{PER_HEAD_SUFFIX[:-1]} w={consensus:g})"
     return f"{name} [{tag}]" if tag else name
 
 

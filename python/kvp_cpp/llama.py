@@ -209,7 +209,8 @@ class Llama(llama_cpp.Llama):
             n_sink=-1 if kv_sink is None else int(kv_sink), n_recent=-1 if kv_recent is None else int(kv_recent),
             position_mode=kv_position_mode, evict_fraction=float(kv_evict_fraction), combine=kv_head_combine,
             compact_limit=int(kv_compact_limit), seed=int(kv_seed), kernel=kv_kernel, n_threads=int(kv_threads),
-            per_head=kv_mode == "per_head", head_consensus=None if kv_head_consensus is None else float(kv_head_consensus), scoring=kv_scoring,
+            per_head=kv_mode == "per_head", scoring=kv_scoring,
+            head_consensus=None if kv_head_consensus is None else float(kv_head_consensus),
         )
         self._check_kv_cache_fits(int(budget))
         self._recreate_context(engine, int(budget))
