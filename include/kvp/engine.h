@@ -50,6 +50,11 @@ const char* scoring_path_name(ScoringPath path);
 // 4K (docs/per_head.md, "Head consensus"). With 0 a head drops the tokens only the question will need.
 inline constexpr double kDefaultHeadConsensus = 0.9;
 
+// The consensus an engine uses: the requested one, else the default per head and 0 in shared mode.
+inline double resolve_head_consensus(std::optional<double> requested, bool per_head) {
+    return requested.value_or(per_head ? kDefaultHeadConsensus : 0.0);
+}
+
 struct EngineConfig {
     int64_t budget = 0;            // cells this sequence may hold
     Protection protection;         // first n_sink and last n_recent tokens stay

@@ -295,7 +295,7 @@ bool runs_per_head(const Options& o) {
 
 // The per-head engines' consensus, as the run used it; null when no engine runs per head.
 json head_consensus_json(const Options& o) {
-    return runs_per_head(o) ? json(o.engine.head_consensus.value_or(kDefaultHeadConsensus)) : json(nullptr);
+    return runs_per_head(o) ? json(resolve_head_consensus(o.engine.head_consensus, true)) : json(nullptr);
 }
 
 // Before any work: each budget against each policy, and the patched llama.cpp for per-head mode.

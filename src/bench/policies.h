@@ -35,7 +35,7 @@ public:
     // that a resumed sweep notices when the file behind a label changed.
     const std::string& file_digest() const { return file_digest_; }
     bool is_full() const { return source_.empty(); }
-    double per_head_consensus() const { return options_.head_consensus.value_or(kDefaultHeadConsensus); }
+    double per_head_consensus() const { return resolve_head_consensus(options_.head_consensus, true); }
     const std::string& policy_name() const { return policy_name_; }  // the policy's own name(); "full" for full
     bool attention_based() const { return attention_based_; }        // scores from observed queries
     bool captures_kv() const { return captures_kv_; }

@@ -121,7 +121,7 @@ Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy,
                                     std::to_string(min_budget) + window_note);
     if (!(config_.evict_fraction >= 0.0 && config_.evict_fraction <= 1.0))
         throw std::invalid_argument("kv_evict_fraction must be in [0, 1]");
-    const double consensus = config_.head_consensus.value_or(config_.per_head ? kDefaultHeadConsensus : 0.0);
+    const double consensus = resolve_head_consensus(config_.head_consensus, config_.per_head);
     if (!(consensus >= 0.0 && consensus <= 1.0))
         throw std::invalid_argument("kv_head_consensus must be in [0, 1], got " + std::to_string(consensus));
     if (consensus != 0.0 && !config_.per_head)
