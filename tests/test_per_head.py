@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -460,3 +461,22 @@ def test_bench_scoring_paths_agree(tmp_path, model_path, bench_tasks):
         runs[scoring] = {(r["task"], r["index"], r["budget"]): (r["prediction"], r["kept_digest"])
                          for r in bench_records(out)}
     assert runs["graph"] == runs["callback"] and len(runs["graph"]) >= len(BENCH_BUDGETS)
+
+
+def test_llama_cpp_style_test_kvp(tmp_path, model_path):
+    """The patch series' own llama.cpp test (tests/test-kvp.cpp of patch 0004, kept beside the built libraries),
+    compiled against them and run on the default model: bit-identity without eviction, uniform eviction against
+    seq_rm, each head's positions and K/V rows after per-head eviction in one and two rounds, and the error codes,
+    with flash attention on and off and with f16 and f32 K/V."""
+    lib = _llama_lib.lib_dir()
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler}) to build llama.cpp's test-kvp")
+    exe = tmp_path / "test-kvp"
+    subprocess.run([compiler, "-std=c++17", "-O1", f"-I{lib / 'include'}", str(lib / _llama_lib.LLAMA_TEST_SOURCE),
+                    f"-L{lib}", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib}", "-o", str(exe)],
+                   check=True, timeout=300)
+    out = subprocess.run([str(exe), "-m", str(model_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    assert "test-kvp: OK (0 failed checks)" in out.stdout
+    assert out.stdout.count("uniform eviction vs seq_rm: max |logit diff| = 0\n") == 3  # FA on/off, f16 and f32

@@ -41,6 +41,8 @@ CMAKE_ARGS = [
     "-DCMAKE_INSTALL_RPATH=$ORIGIN",
 ]
 LIBRARIES = ("libllama", "libggml", "libggml-base", "libggml-cpu")
+# llama.cpp's test of the patch series (patch 0004), kept beside the libraries with the headers it needs
+LLAMA_TEST_SOURCE = "test-kvp.cpp"
 
 #: The environment variable that selects the llama.cpp build at import time: ``stock`` (default) or ``per_head``.
 ENV_SELECT = "KVP_CPP_LLAMA"

@@ -24,8 +24,8 @@ import tempfile
 import time
 from typing import List, Optional
 
-from ._llama_lib import (BUILD_COMMAND, CMAKE_ARGS, LIBRARIES, LLAMA_CPP_PYTHON_VERSION, SDIST_NAME, SDIST_SHA256,
-                         VENDOR_PREFIX, cache_root, is_built, lib_dir, patches)
+from ._llama_lib import (BUILD_COMMAND, CMAKE_ARGS, LIBRARIES, LLAMA_CPP_PYTHON_VERSION, LLAMA_TEST_SOURCE, SDIST_NAME,
+                         SDIST_SHA256, VENDOR_PREFIX, cache_root, is_built, lib_dir, patches)
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -41,7 +41,9 @@ def fetch_sdist(dest: pathlib.Path) -> pathlib.Path:
     dest.mkdir(parents=True, exist_ok=True)
     path = dest / SDIST_NAME
     if not path.is_file() or _sha256(path) != SDIST_SHA256:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
+        # --no-binary names the one package: with :all:, pip would also build the sdist's build requirements
+        # (cmake among them) from source to read its metadata, which takes longer than the llama.cpp build.
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", "llama-cpp-python", "--no-deps",
                         f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(dest)], check=True)
     digest = _sha256(path)
     if digest != SDIST_SHA256:
@@ -139,7 +141,11 @@ def build(jobs: int = 2, verbose: bool = False) -> pathlib.Path:
         for f in sorted((bld / "bin").iterdir()):
             if any(f.name.startswith(name + ".so") for name in LIBRARIES):
                 shutil.copy2(f, stage / f.name, follow_symlinks=False)
-        shutil.copy2(src / "include" / "llama.h", stage / "llama.h")
+        # the headers, and the series' own llama.cpp test (tests/test_per_head.py compiles it against the libraries)
+        (stage / "include").mkdir()
+        for header in [src / "include" / "llama.h", *sorted((src / "ggml" / "include").glob("*.h"))]:
+            shutil.copy2(header, stage / "include" / header.name)
+        shutil.copy2(src / "tests" / LLAMA_TEST_SOURCE, stage / LLAMA_TEST_SOURCE)
         info = {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "sdist_sha256": SDIST_SHA256,
                 "patches": [p.name for p in patches()], "cmake_args": CMAKE_ARGS, "jobs": jobs,
                 "build_seconds": round(time.monotonic() - t0, 1)}
