@@ -289,18 +289,14 @@ json policies_json(const std::vector<PolicyFactory>& policies) {
     return out;
 }
 
-bool runs_per_head(const Options& o) {
-    return std::find(o.kv_modes.begin(), o.kv_modes.end(), kPerHeadMode) != o.kv_modes.end();
-}
-
 // The per-head engines' consensus, as the run used it; null when no engine runs per head.
 json head_consensus_json(const Options& o) {
-    return runs_per_head(o) ? json(resolve_head_consensus(o.engine.head_consensus, true)) : json(nullptr);
+    return includes_per_head(o.kv_modes) ? json(resolve_head_consensus(o.engine.head_consensus, true)) : json(nullptr);
 }
 
 // Before any work: each budget against each policy, and the patched llama.cpp for per-head mode.
 void check_policies(const std::vector<PolicyFactory>& policies, const Options& o) {
-    const bool per_head = runs_per_head(o);
+    const bool per_head = includes_per_head(o.kv_modes);
     if (o.engine.head_consensus.value_or(0.0) != 0.0 && !per_head)
         throw std::invalid_argument("--head-consensus applies to per-head eviction: add --kv-modes per_head");
     for (const PolicyFactory& policy : policies) {

@@ -1,6 +1,7 @@
 // Per-sample records, the resumable results log, and the aggregated table / JSON / CSV.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <fstream>
 #include <iosfwd>
@@ -23,6 +24,11 @@ constexpr int64_t kUnbounded = 0;  // the budget of the `full` reference (null i
 constexpr const char* kSchema = "kvp-bench/1";
 constexpr const char* kSharedMode = "shared";    // one token set for every head (stock llama.cpp)
 constexpr const char* kPerHeadMode = "per_head"; // each (layer, KV head) evicts its own (the patched llama.cpp)
+
+// Whether a run's --kv-modes include per-head mode.
+inline bool includes_per_head(const std::vector<std::string>& kv_modes) {
+    return std::find(kv_modes.begin(), kv_modes.end(), kPerHeadMode) != kv_modes.end();
+}
 
 // What a per-sample record is keyed by, besides the sample itself: a rerun with the same -o skips the records
 // whose key it finds. Other settings (threads, sink/recent, ...) are not part of the key: use another -o.

@@ -109,8 +109,7 @@ std::vector<std::string> speed_csv_columns() {
 std::vector<SpeedRow> run_speed(Model& model, const std::vector<PolicyFactory>& policies,
                                 const std::vector<int64_t>& budgets, const SpeedConfig& config) {
     const int64_t memory_limit = int64_t(double(physical_memory_bytes()) * config.max_memory_fraction);
-    const bool per_head_runs =
-        std::find(config.kv_modes.begin(), config.kv_modes.end(), kPerHeadMode) != config.kv_modes.end();
+    const bool per_head_runs = includes_per_head(config.kv_modes);
     int64_t cases = 0;
     for (const PolicyFactory& policy : policies)
         for (const std::string& mode : policy.is_full() ? std::vector<std::string>{kSharedMode} : config.kv_modes)

@@ -38,15 +38,11 @@ std::vector<Job> all_jobs(const SweepConfig& config) {
     return jobs;
 }
 
-bool runs_per_head(const SweepConfig& config) {
-    return std::find(config.kv_modes.begin(), config.kv_modes.end(), kPerHeadMode) != config.kv_modes.end();
-}
-
 // With per-head jobs in the run, shared engines keep original positions too: they share the llama_context, and
 // llama.cpp cannot shift positions once per-head mode is on (compaction would only start near the model's training
 // context anyway).
 std::unique_ptr<Engine> engine_for(const SweepConfig& config, const Job& job, int64_t budget) {
-    return job.policy->make_engine(budget, job.per_head, runs_per_head(config));
+    return job.policy->make_engine(budget, job.per_head, includes_per_head(config.kv_modes));
 }
 
 RecordKey key_of(const SweepConfig& config, const Sample& sample, const Job& job) {
