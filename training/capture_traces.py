@@ -280,23 +280,22 @@ def main(argv=None) -> int:
             # seeded per document, so a resumed run picks the same cuts as an uninterrupted one
             anchored = [len(capture.llm.tokenize(text[:at].encode(), add_bos=True, special=True)) for at in anchors]
             cuts = choose_cuts(n, args.n_future, args.cuts, random.Random(f"{args.seed}:{document}"), anchored)
-            k_all = np.stack([out["Kcur"][layer] for layer in range(n_layer)])  # (L, n, H, dk)
-            v_all = np.stack([out["Vcur"][layer] for layer in range(n_layer)])
+            # llama.cpp multiplies Q (converted to f16) with K from its f16 cache: the targets use the same f16
+            k16 = np.stack([out["Kcur"][layer] for layer in range(n_layer)]).astype(np.float16)  # (L, n, H, dk)
+            q16 = np.stack([out["Qcur"][layer] for layer in range(n_layer)]).astype(np.float16)
             np.asarray(tokens, np.int32).tofile(os.path.join(path, "tokens.i32"))
-            k_all.astype(np.float16).tofile(os.path.join(path, "k.f16"))
-            v_all.astype(np.float16).tofile(os.path.join(path, "v.f16"))
+            k16.tofile(os.path.join(path, "k.f16"))
+            np.stack([out["Vcur"][layer] for layer in range(n_layer)]).astype(np.float16).tofile(
+                os.path.join(path, "v.f16"))
             with open(os.path.join(path, "importance.f32"), "wb") as f:
                 for cut, future in cuts.items():
                     for layer in range(n_layer):
-                        # llama.cpp multiplies Q (converted to f16) with K from its f16 cache
-                        q = out["Qcur"][layer].astype(np.float16)
-                        imp = importance(q, out["Kcur"][layer].astype(np.float16), cut, future, scale,
+                        imp = importance(q16[layer], k16[layer], cut, future, scale,
                                          window if layer in sliding else None)
                         f.write(imp.astype(np.float32).tobytes())
             has_q = seq_id < args.q_slice
             if has_q:
-                np.stack([out["Qcur"][layer] for layer in range(n_layer)]).astype(np.float16).tofile(
-                    os.path.join(path, "q.f16"))
+                q16.tofile(os.path.join(path, "q.f16"))
             manifest["sequences"].append({
                 "id": seq_id, "dir": folder, "source": kind, "document": document,
                 "split": split, "n_tokens": n, "cuts": list(cuts), "futures": list(cuts.values()), "has_q": has_q,
