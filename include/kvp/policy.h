@@ -21,6 +21,10 @@ public:
     virtual std::string name() const = 0;
     virtual int n_score_columns() const = 0;
 
+    // Per-head policies whose columns cover some layers only (a kvp.bin scoring Gemma 3's global layers): the model
+    // layer of each group of n_head_kv columns, in column order. Empty: see per_head_score_layers().
+    virtual std::vector<int> score_layers() const { return {}; }
+
     // Protected counts a policy was trained with (kvp.bin records them); heuristics use the defaults.
     virtual uint32_t default_sink() const { return 4; }
     virtual uint32_t default_recent() const { return 16; }
@@ -76,6 +80,11 @@ struct PolicyOptions {
     std::string kernel = "auto";
     int n_threads = 0;
 };
+
+// The model layer of each group of n_head_kv score columns of a per-head policy: score_layers(), or every layer
+// in order for a policy with n_layer x n_head_kv columns. Empty for a policy without one column per (layer, KV head)
+// (token-level heuristics, TOVA's per-layer columns on a model with several KV heads).
+std::vector<int> per_head_score_layers(const EvictionPolicy& policy, const ModelIdentity& model);
 
 // Names of the built-in policies (a path to a .kvp.bin file is accepted by make_policy too).
 std::vector<std::string> builtin_policy_names();

@@ -137,7 +137,9 @@ class Llama(llama_cpp.Llama):
       with sliding-window layers (Gemma 3) it is raised to the window, whose tokens must stay for those layers.
     - ``kv_mode``: ``"shared"`` (default; one token set for all heads, any llama.cpp) or ``"per_head"`` (each
       (layer, KV head) keeps and evicts its own tokens; needs the patched llama.cpp, ``KVP_CPP_LLAMA=per_head`` and
-      ``python -m kvp_cpp.llama_build``, and original positions; see docs/per_head.md). ``kv_head_combine`` does not apply to it.
+      ``python -m kvp_cpp.llama_build``, and original positions; see docs/per_head.md). On models with
+      sliding-window layers the other layers are per head, and the window's own cache is llama.cpp's.
+      ``kv_head_combine`` does not apply to it.
     - ``kv_head_consensus``: per-head mode only, a weight in [0, 1] (default ``None``: 0.9,
       ``_core.DEFAULT_HEAD_CONSENSUS``, in per-head mode): each head ranks its tokens by ``(1 - w)`` x its own
       softmax + ``w`` x the mean of all heads' softmax, so that tokens many heads want stay in every head; 0 is the

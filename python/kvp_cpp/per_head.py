@@ -18,8 +18,8 @@ import numpy as np
 from ._llama_lib import loaded_library_is_patched, require_per_head
 
 ERRORS = {
-    -1: "the context's memory cannot hold per-head state (needs a plain KV cache with one sequence, no SWA, ALiBi "
-        "or M-RoPE, the same KV head count in every layer)",
+    -1: "the context's memory cannot hold per-head state (needs a KV cache with one sequence, no ALiBi or M-RoPE, "
+        "the same KV head count in every layer; with sliding-window layers only the others are per head)",
     -2: "per-head eviction is not enabled on this context (call enable() first)",
     -3: "an index or a count out of range",
     -4: "a position that the head does not hold, or the same position twice",
@@ -46,6 +46,7 @@ def _lib():
             ("llama_kvp_enabled", [c_ctx], ctypes.c_bool),
             ("llama_kvp_n_layer", [c_ctx], i32),
             ("llama_kvp_n_head_kv", [c_ctx], i32),
+            ("llama_kvp_layer", [c_ctx, i32], i32),
             ("llama_kvp_head_pos", [c_ctx, i32, i32, pos_p, i32], i32),
             ("llama_kvp_evict", [c_ctx, i32, pos_p], i32),
         ):
@@ -84,8 +85,14 @@ def enabled(ctx: Any) -> bool:
 
 
 def n_layer(ctx: Any) -> int:
-    """Layers that have a KV cache (cache layer i is the i-th of them in model order)."""
+    """Layers of the per-head cache (cache layer i is the i-th of them in model order, see ``layers``)."""
     return _check(_lib().llama_kvp_n_layer(_ctx(ctx)), "llama_kvp_n_layer")
+
+
+def layers(ctx: Any) -> list:
+    """The model layer of each cache layer: all layers, or on a model with sliding-window layers the others only."""
+    lib, c = _lib(), _ctx(ctx)
+    return [_check(lib.llama_kvp_layer(c, il), "llama_kvp_layer") for il in range(n_layer(ctx))]
 
 
 def n_head_kv(ctx: Any) -> int:

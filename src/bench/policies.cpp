@@ -61,7 +61,7 @@ PolicyFactory::PolicyFactory(const std::string& label, const llama_model* model,
     policy_name_ = probe->name();
     attention_based_ = !probe->query_layers().empty();
     captures_kv_ = !probe->capture_layers().empty();
-    scores_per_head_ = probe->n_score_columns() == int(identity_.n_layer * identity_.n_head_kv);
+    scores_per_head_ = !per_head_score_layers(*probe, identity_).empty();
     scores_per_token_ = probe->n_score_columns() == 1;
     if (options.n_sink > int64_t(UINT32_MAX) || options.n_recent > int64_t(UINT32_MAX))
         throw std::invalid_argument("--sink/--recent too large");

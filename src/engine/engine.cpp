@@ -198,19 +198,43 @@ void Engine::attach(llama_context* ctx) {
             throw std::runtime_error("this patched llama.cpp lacks llama_kvp_head_pos, which per-head mode needs to "
                                      "save its state: rebuild it (python -m kvp_cpp.llama_build)");
         if (enable(ctx) != 0)
-            throw std::invalid_argument("this model's KV cache cannot evict per head (one sequence, no sliding "
-                                        "window, ALiBi or M-RoPE); see llama.cpp's log");
+            throw std::invalid_argument("this model's KV cache cannot evict per head (one sequence, no ALiBi or "
+                                        "M-RoPE); see llama.cpp's log");
         n_heads = n_layer(ctx) * n_head_kv(ctx);
-        const int n_columns = ledger_.n_columns();
-        if (n_columns != 1 && (n_columns != n_heads || n_layer(ctx) != int(identity_.n_layer)))
-            throw std::invalid_argument("kv_mode='per_head' needs a policy with one score per (layer, KV head) of "
-                                        "every layer (" + std::to_string(n_heads) + ") or one per token; this one has " +
-                                        std::to_string(n_columns));
+        head_columns_ = per_head_columns(ctx, n_layer(ctx), n_head_kv(ctx));
     }
     if (graph_scorer_) graph_scorer_->upload(ctx);
     ctx_ = ctx;
     reset();
     ledger_.set_holders(n_heads);
+}
+
+std::vector<int> Engine::per_head_columns(llama_context* ctx, int n_cache_layers, int n_head_kv) const {
+    if (ledger_.n_columns() == 1) return {};  // every head ranks by the one score
+    // the model layer of each cache layer: on a model with sliding-window layers, the per-head cache holds the
+    // full-attention layers only
+    auto layer_of = reinterpret_cast<int32_t (*)(const llama_context*, int32_t)>(kvp_symbol("llama_kvp_layer"));
+    std::vector<int> cache_layers(static_cast<size_t>(n_cache_layers));
+    for (int i = 0; i < n_cache_layers; ++i) {
+        cache_layers[size_t(i)] = layer_of ? layer_of(ctx, i) : i;
+        if (cache_layers[size_t(i)] < 0 || (!layer_of && n_cache_layers != int(identity_.n_layer)))
+            throw std::runtime_error("cannot tell which model layer the per-head cache's layer " + std::to_string(i) +
+                                     " is: rebuild the patched llama.cpp (python -m kvp_cpp.llama_build)");
+    }
+    const std::vector<int> scored = per_head_score_layers(*policy_, identity_);
+    if (scored.empty() || n_head_kv != int(identity_.n_head_kv))
+        throw std::invalid_argument("kv_mode='per_head' needs a policy with one score per (layer, KV head) or one per "
+                                    "token; '" + policy_->name() + "' has " + std::to_string(ledger_.n_columns()) +
+                                    " score columns");
+    std::vector<int> columns;
+    for (int layer : cache_layers) {
+        const auto it = std::find(scored.begin(), scored.end(), layer);
+        if (it == scored.end())
+            throw std::invalid_argument("kv_mode='per_head' evicts from every head of layer " + std::to_string(layer) +
+                                        ", and the policy '" + policy_->name() + "' does not score that layer");
+        for (int h = 0; h < n_head_kv; ++h) columns.push_back(int(it - scored.begin()) * n_head_kv + h);
+    }
+    return columns;
 }
 
 int64_t Engine::cells_used() const {
@@ -443,7 +467,7 @@ void Engine::evict_per_head(size_t n_evict) {
     const auto start = Clock::now();
     policy_->refresh_scores(ledger_);
     const std::vector<std::vector<size_t>> victims =
-        select_victims_per_head(ledger_, config_.protection, n_evict, *config_.head_consensus);
+        select_victims_per_head(ledger_, config_.protection, n_evict, *config_.head_consensus, head_columns_);
     std::vector<int32_t> positions;
     positions.reserve(victims.size() * n_evict);
     for (const auto& head : victims)

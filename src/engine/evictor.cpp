@@ -45,8 +45,19 @@ std::vector<size_t> eviction_candidates(const Ledger& ledger, Protection protect
 
 std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector<size_t>& candidates,
                                          HeadCombine combine) {
+    std::vector<int> every(static_cast<size_t>(ledger.n_columns()));
+    std::iota(every.begin(), every.end(), 0);
+    return combined_keep_scores(ledger, candidates, combine, every);
+}
+
+std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector<size_t>& candidates,
+                                         HeadCombine combine, const std::vector<int>& columns) {
     const size_t n = candidates.size();
-    const int n_columns = ledger.n_columns();
+    const int n_columns = int(columns.size());
+    for (int c : columns)
+        if (c < 0 || c >= ledger.n_columns())
+            throw std::invalid_argument("score column " + std::to_string(c) + " out of range (the ledger has " +
+                                        std::to_string(ledger.n_columns()) + ")");
     std::vector<double> keep(n, combine == HeadCombine::max_softmax ? -INFINITY : 0.0);
     if (n == 0) return keep;
     // A candidate with a NaN or infinite score in any column (a hostile or overflowing policy) gets the lowest
@@ -56,7 +67,7 @@ std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector
     finite.reserve(n);
     for (size_t i = 0; i < n; ++i) {
         const float* row = ledger.scores(candidates[i]);
-        if (std::all_of(row, row + n_columns, [](float x) { return std::isfinite(x); }))
+        if (std::all_of(columns.begin(), columns.end(), [row](int c) { return std::isfinite(row[c]); }))
             finite.push_back(i);
         else
             keep[i] = -INFINITY;
@@ -65,7 +76,7 @@ std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector
     if (m == 0) return keep;
     std::vector<double> column(m);
     std::vector<size_t> order(m);
-    for (int c = 0; c < n_columns; ++c) {
+    for (int c : columns) {
         for (size_t j = 0; j < m; ++j) column[j] = ledger.scores(candidates[finite[j]])[c];
         switch (combine) {
             case HeadCombine::sum_softmax:
@@ -110,28 +121,42 @@ std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, 
 }
 
 std::vector<std::vector<size_t>> select_victims_per_head(const Ledger& ledger, Protection protection, size_t n_evict,
-                                                         double consensus) {
+                                                         double consensus, std::vector<int> head_columns) {
     const int n_heads = ledger.n_holders();
     if (n_heads <= 0) throw std::logic_error("select_victims_per_head on a shared-mode ledger");
-    if (ledger.n_columns() != 1 && ledger.n_columns() != n_heads)
-        throw std::invalid_argument("per-head eviction needs one score column per (layer, KV head) (" +
-                                    std::to_string(n_heads) + ") or a token-level policy; the policy has " +
-                                    std::to_string(ledger.n_columns()));
+    if (head_columns.empty()) {
+        if (ledger.n_columns() != 1 && ledger.n_columns() != n_heads)
+            throw std::invalid_argument("per-head eviction needs one score column per (layer, KV head) (" +
+                                        std::to_string(n_heads) + ") or a token-level policy; the policy has " +
+                                        std::to_string(ledger.n_columns()));
+        head_columns.resize(static_cast<size_t>(n_heads));
+        for (int h = 0; h < n_heads; ++h) head_columns[size_t(h)] = ledger.n_columns() == 1 ? 0 : h;
+    } else if (head_columns.size() != static_cast<size_t>(n_heads)) {
+        throw std::invalid_argument("per-head eviction got " + std::to_string(head_columns.size()) +
+                                    " head columns for " + std::to_string(n_heads) + " heads");
+    }
+    for (int c : head_columns)
+        if (c < 0 || c >= ledger.n_columns())
+            throw std::invalid_argument("head column " + std::to_string(c) + " out of range (the policy has " +
+                                        std::to_string(ledger.n_columns()) + " score columns)");
     if (!(consensus >= 0.0 && consensus <= 1.0))
         throw std::invalid_argument("head consensus must be in [0, 1], got " + std::to_string(consensus));
     const std::vector<size_t> candidates = eviction_candidates(ledger, protection);
-    // With one column every head already ranks by the same score, so there is nothing to mix.
-    const bool mixed = consensus > 0.0 && ledger.n_columns() > 1;
-    // per candidate: the sum over heads of each head's softmax, exactly what shared mode ranks by
+    std::vector<int> vote_columns = head_columns;  // the columns of the heads, each once
+    std::sort(vote_columns.begin(), vote_columns.end());
+    vote_columns.erase(std::unique(vote_columns.begin(), vote_columns.end()), vote_columns.end());
+    // When every head ranks by the same column there is nothing to mix.
+    const bool mixed = consensus > 0.0 && vote_columns.size() > 1;
+    // per candidate: the sum over the heads' columns of each one's softmax, what shared mode ranks by
     const std::vector<double> votes =
-        mixed ? combined_keep_scores(ledger, candidates, HeadCombine::sum_softmax) : std::vector<double>();
+        mixed ? combined_keep_scores(ledger, candidates, HeadCombine::sum_softmax, vote_columns) : std::vector<double>();
     std::vector<std::vector<size_t>> victims(static_cast<size_t>(n_heads));
     std::vector<size_t> mine;     // ledger indices this head holds
     std::vector<double> key;      // their keep-scores, lowest leaves first
     std::vector<double> vote_of_mine;
     std::vector<size_t> order;
     for (int h = 0; h < n_heads; ++h) {
-        const int column = ledger.n_columns() == 1 ? 0 : h;
+        const int column = head_columns[size_t(h)];
         mine.clear();
         key.clear();
         vote_of_mine.clear();

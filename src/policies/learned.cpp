@@ -26,6 +26,7 @@ public:
 
     std::string name() const override { return "kvp"; }
     int n_score_columns() const override { return int(layers_.size()) * n_head_; }
+    std::vector<int> score_layers() const override { return layers_; }
     std::vector<int> capture_layers() const override { return layers_; }
     uint32_t default_sink() const override { return default_sink_; }
     uint32_t default_recent() const override { return default_recent_; }

@@ -1,5 +1,6 @@
 #include <functional>
 #include <map>
+#include <numeric>
 #include <stdexcept>
 
 #include "kvp/policy.h"
@@ -44,6 +45,16 @@ bool looks_like_path(const std::string& s) {
 }
 
 }  // namespace
+
+std::vector<int> per_head_score_layers(const EvictionPolicy& policy, const ModelIdentity& model) {
+    std::vector<int> layers = policy.score_layers();
+    if (layers.empty() && model.n_head_kv > 0 && policy.n_score_columns() == int(model.n_layer * model.n_head_kv)) {
+        layers.resize(model.n_layer);
+        std::iota(layers.begin(), layers.end(), 0);
+    }
+    if (int64_t(layers.size()) * model.n_head_kv != policy.n_score_columns()) layers.clear();
+    return layers;
+}
 
 std::vector<std::string> builtin_policy_names() {
     std::vector<std::string> names;

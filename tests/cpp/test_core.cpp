@@ -370,11 +370,17 @@ kvp::Ledger make_per_head_ledger(const std::vector<int64_t>& logical, const std:
 // Double-precision reference of select_victims_per_head, written from its contract: head h ranks the candidates it
 // holds by (1 - w) x n_heads x softmax(own column over them) + w x sum over heads of softmax(column over all
 // candidates); the lowest go, ties to the older.
+// `columns` maps head h to its score column (empty: column h); the vote sums over the heads' columns, each once.
 std::vector<size_t> reference_head_victims(const kvp::Ledger& ledger, const std::vector<size_t>& candidates, int h,
-                                           size_t n_evict, double w) {
+                                           size_t n_evict, double w, std::vector<int> columns = {}) {
     const int n_heads = ledger.n_holders();
+    if (columns.empty())
+        for (int c = 0; c < n_heads; ++c) columns.push_back(c);
+    const int own_column = columns[size_t(h)];
+    std::sort(columns.begin(), columns.end());
+    columns.erase(std::unique(columns.begin(), columns.end()), columns.end());
     std::vector<double> vote(candidates.size(), 0.0);
-    for (int c = 0; c < n_heads; ++c) {
+    for (int c : columns) {
         double total = 0.0;
         for (size_t i : candidates) total += std::exp(double(ledger.scores(i)[c]));
         for (size_t j = 0; j < candidates.size(); ++j) vote[j] += std::exp(double(ledger.scores(candidates[j])[c])) / total;
@@ -386,11 +392,11 @@ std::vector<size_t> reference_head_victims(const kvp::Ledger& ledger, const std:
         if (ledger.held(candidates[j], h)) {
             mine.push_back(candidates[j]);
             vote_of_mine.push_back(vote[j]);
-            own_total += std::exp(double(ledger.scores(candidates[j])[h]));
+            own_total += std::exp(double(ledger.scores(candidates[j])[own_column]));
         }
     std::vector<std::pair<double, size_t>> keyed;
     for (size_t j = 0; j < mine.size(); ++j) {
-        const double own = std::exp(double(ledger.scores(mine[j])[h])) / own_total;
+        const double own = std::exp(double(ledger.scores(mine[j])[own_column])) / own_total;
         keyed.push_back({(1.0 - w) * n_heads * own + w * vote_of_mine[j], mine[j]});
     }
     std::sort(keyed.begin(), keyed.end());
@@ -455,7 +461,36 @@ void test_evictor_per_head() {
     }
     CHECK(all_match);
     CHECK(some_differ);  // the weight matters on this ledger, so the comparison is not vacuous
-    std::printf("  evictor: per-head victims with head consensus\n");
+
+    // Head columns: a policy scoring more heads than the cache evicts per head (Gemma 3 scores 18 layers, the
+    // per-head cache holds 3). Ten columns, four heads on columns 7, 2, 9, 4: the reference, and the same
+    // ranking as a four-column ledger holding just those columns, which the vote must not see past.
+    const std::vector<int> head_columns{7, 2, 9, 4};
+    std::vector<std::vector<float>> wide_rows(n_tokens, std::vector<float>(10)), narrow_rows(n_tokens);
+    for (int i = 0; i < n_tokens; ++i) {
+        for (float& x : wide_rows[size_t(i)]) x = normal(rng);
+        for (int c : head_columns) narrow_rows[size_t(i)].push_back(wide_rows[size_t(i)][size_t(c)]);
+    }
+    kvp::Ledger wide = make_per_head_ledger(positions, wide_rows, n_heads);
+    kvp::Ledger narrow = make_per_head_ledger(positions, narrow_rows, n_heads);
+    for (int h = 0; h < n_heads; ++h)
+        for (int i = 6 + h; i < n_tokens - 5; i += 2 + h) wide.release(size_t(i), h), narrow.release(size_t(i), h);
+    bool mapped_match = true, same_as_narrow = true, unmapped_differ = false;
+    for (double w : {0.0, 0.4, 0.9, 1.0}) {
+        const auto victims = kvp::select_victims_per_head(wide, protection, 5, w, head_columns);
+        same_as_narrow &= victims == kvp::select_victims_per_head(narrow, protection, 5, w);
+        for (int h = 0; h < n_heads; ++h) {
+            mapped_match &= victims[size_t(h)] == reference_head_victims(wide, candidates, h, 5, w, head_columns);
+            unmapped_differ |= victims[size_t(h)] != reference_head_victims(wide, candidates, h, 5, w, {0, 1, 2, 3});
+        }
+    }
+    CHECK(mapped_match);
+    CHECK(same_as_narrow);
+    CHECK(unmapped_differ);
+    CHECK(throws<std::invalid_argument>([&] { kvp::select_victims_per_head(wide, protection, 1, 0.5, {7, 2, 9}); }));
+    CHECK(throws<std::invalid_argument>([&] { kvp::select_victims_per_head(wide, protection, 1, 0.5, {7, 2, 9, 10}); }));
+    CHECK(throws<std::invalid_argument>([&] { kvp::select_victims_per_head(wide, protection, 1, 0.0); }));
+    std::printf("  evictor: per-head victims with head consensus and head columns\n");
 }
 
 // --- ledger image --------------------------------------------------------------------------------------------------
