@@ -500,11 +500,14 @@ def test_bench_scoring_paths_agree(tmp_path, model_path, bench_tasks):
     assert runs["graph"] == runs["callback"] and len(runs["graph"]) >= len(BENCH_BUDGETS)
 
 
-def test_llama_cpp_style_test_kvp(tmp_path, model_path):
+@pytest.mark.parametrize("span_gap", [None, "0", "65536"], ids=["in_place", "staged_rows", "staged_spans"])
+def test_llama_cpp_style_test_kvp(tmp_path, model_path, span_gap):
     """The patch series' own llama.cpp test (tests/test-kvp.cpp of patch 0004, kept beside the built libraries),
     compiled against them and run on the default model: bit-identity without eviction, uniform eviction against
     seq_rm, each head's positions and K/V rows after per-head eviction in one and two rounds, and the error codes,
-    with flash attention on and off and with f16 and f32 K/V."""
+    with flash attention on and off and with f16 and f32 K/V. With `span_gap` the CPU cache moves its rows the way a
+    GPU cache does (patch 0006: byte ranges merged into spans, each read and written back once with
+    ggml_backend_tensor_get/set): 0 keeps every row its own span, 65536 is the GPU default (one span per tensor here)."""
     lib = _llama_lib.lib_dir()
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
@@ -513,7 +516,47 @@ def test_llama_cpp_style_test_kvp(tmp_path, model_path):
     subprocess.run([compiler, "-std=c++17", "-O1", f"-I{lib / 'include'}", str(lib / _llama_lib.LLAMA_TEST_SOURCE),
                     f"-L{lib}", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib}", "-o", str(exe)],
                    check=True, timeout=300)
-    out = subprocess.run([str(exe), "-m", str(model_path)], capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_KVP_STAGED_SPAN_GAP"}
+    if span_gap is not None:
+        env["LLAMA_KVP_STAGED_SPAN_GAP"] = span_gap
+    out = subprocess.run([str(exe), "-m", str(model_path)], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
     assert "test-kvp: OK (0 failed checks)" in out.stdout
     assert out.stdout.count("uniform eviction vs seq_rm: max |logit diff| = 0\n") == 3  # FA on/off, f16 and f32
+
+
+GPU_CHECKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+
+
+def test_gpu_check_programs_run_on_the_cpu(tmp_path, model_path):
+    """The GPU checks of benchmarks/gpu (graph_scoring_check, per_head_check) compiled against the patched library and
+    run on the CPU with small sizes, so that what the device runs builds and works: the in-graph scores match the
+    double-precision MLP, and the bounded per-head and shared runs both complete every step."""
+    lib = _llama_lib.lib_dir()
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler}) to build the GPU checks")
+    runs = {
+        "graph_scoring_check": ["--prompt", "64", "--decode", "2", "--repeats", "1"],
+        "per_head_check": ["--budget", "96", "--chunks", "1,8", "--steps", "2", "--repeats", "1"],
+    }
+    results = {}
+    for name, args in runs.items():
+        exe = tmp_path / name
+        subprocess.run([compiler, "-std=c++17", "-O1", f"-I{lib / 'include'}", str(GPU_CHECKS / f"{name}.cpp"),
+                        f"-L{lib}", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib}", "-o", str(exe)],
+                       check=True, timeout=300)
+        out_json = tmp_path / f"{name}.json"
+        out = subprocess.run([str(exe), "-m", str(model_path), "-ngl", "0", "-t", "2", "-o", str(out_json), *args],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+        results[name] = json.loads(out_json.read_text())
+    scoring = results["graph_scoring_check"]
+    assert scoring["correctness"]["ok"] and scoring["correctness"]["scores"] == 64 * 30 * 3
+    assert scoring["correctness"]["relative"] < 1e-4
+    assert [row["mode"] for row in scoring["speed"]] == ["none", "graph", "callback"]
+    per_head = results["per_head_check"]
+    assert [row["tokens_per_step"] for row in per_head["rows"]] == [1, 8]
+    for row in per_head["rows"]:
+        assert row["per_head_evict_ms"] > 0 and row["shared_decode_ms"] > 0
+        assert 0 < row["per_head_step_over_shared"] < 100

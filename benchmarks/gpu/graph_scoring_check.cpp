@@ -24,11 +24,13 @@
 
 #include "ggml-backend.h"
 #include "ggml.h"
+#include "check_common.h"
 #include "llama.h"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using check::Clock;
+using check::seconds_since;
 
 struct Options {
     std::string model;
@@ -178,31 +180,6 @@ llama_context* make_context(llama_model* model, const Options& o, Mode mode, Cap
     return ctx;
 }
 
-void decode_tokens(llama_context* ctx, const std::vector<llama_token>& tokens, int64_t first_pos) {
-    for (size_t start = 0; start < tokens.size(); start += 512) {
-        const int n = int(std::min<size_t>(512, tokens.size() - start));
-        llama_batch batch = llama_batch_init(n, 0, 1);
-        for (int i = 0; i < n; ++i) {
-            batch.token[i] = tokens[start + i];
-            batch.pos[i] = llama_pos(first_pos + int64_t(start) + i);
-            batch.n_seq_id[i] = 1;
-            batch.seq_id[i][0] = 0;
-            batch.logits[i] = i == n - 1;
-        }
-        batch.n_tokens = n;
-        if (llama_decode(ctx, batch) != 0) {
-            std::fprintf(stderr, "llama_decode failed\n");
-            std::exit(1);
-        }
-        llama_batch_free(batch);
-    }
-}
-
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -228,14 +205,7 @@ int main(int argc, char** argv) {
         return 2;
     }
 
-    llama_backend_init();
-    llama_model_params mp = llama_model_default_params();
-    mp.n_gpu_layers = o.n_gpu_layers;
-    llama_model* model = llama_model_load_from_file(o.model.c_str(), mp);
-    if (!model) {
-        std::fprintf(stderr, "cannot load %s\n", o.model.c_str());
-        return 1;
-    }
+    llama_model* model = check::load_model_or_die(o.model, o.n_gpu_layers);
 
     Mlp mlp;
     mlp.n_layer = llama_model_n_layer(model);
@@ -257,7 +227,7 @@ int main(int argc, char** argv) {
     const std::vector<llama_token> check_tokens(prompt.begin(), prompt.begin() + std::min(o.n_prompt, 256));
     llama_context* ctx = make_context(model, o, Mode::graph, &ref, true);
     mlp.upload(ctx);
-    decode_tokens(ctx, check_tokens, 0);
+    check::decode_tokens(ctx, check_tokens, 0);
     double max_abs_err = 0, max_abs_ref = 0;
     int64_t n_checked = 0;
     std::vector<float> dumped;
@@ -301,20 +271,20 @@ int main(int argc, char** argv) {
             llama_context* c = make_context(model, o, modes[m], &cap, false);
             if (modes[m] == Mode::graph) mlp.upload(c);
             auto start = Clock::now();
-            decode_tokens(c, prompt, 0);
+            check::decode_tokens(c, prompt, 0);
             llama_synchronize(c);
-            const double t_prefill = std::chrono::duration<double>(Clock::now() - start).count();
+            const double t_prefill = seconds_since(start);
             start = Clock::now();
             for (int i = 0; i < o.n_decode; ++i) {
                 cap.first_pos = o.n_prompt + i;
-                decode_tokens(c, {prompt[size_t(i)]}, o.n_prompt + i);
+                check::decode_tokens(c, {prompt[size_t(i)]}, o.n_prompt + i);
                 if (modes[m] == Mode::graph) {
                     int32_t n = 0;
                     if (!llama_kvp_scorer_scores(c, mlp.n_layer - 1, &n) || n != 1) return 1;  // reads them back
                 }
             }
             llama_synchronize(c);
-            const double t_decode = std::chrono::duration<double>(Clock::now() - start).count();
+            const double t_decode = seconds_since(start);
             llama_free(c);
             if (r < 0) continue;
             prefill[m].push_back(double(o.n_prompt) / t_prefill);
@@ -339,8 +309,8 @@ int main(int argc, char** argv) {
                  max_abs_ref, rel_err, scores_ok ? "true" : "false");
     std::printf("| mode | prefill tok/s | vs none | decode ms/token | vs none | scoring ms/token |\n|---|---|---|---|---|---|\n");
     for (int m = 0; m < 3; ++m) {
-        const double p = median(prefill[m]), d = median(decode[m]);
-        const double p0 = median(prefill[0]), d0 = median(decode[0]);
+        const double p = check::median(prefill[m]), d = check::median(decode[m]);
+        const double p0 = check::median(prefill[0]), d0 = check::median(decode[0]);
         std::fprintf(f, "  {\"mode\": \"%s\", \"prefill_tokens_per_second\": %.3f, \"prefill_vs_none\": %.4f, "
                         "\"decode_ms_per_token\": %.4f, \"decode_vs_none\": %.4f, \"scoring_ms_per_token\": %.4f}%s\n",
                      mode_name(modes[m]), p, p / p0, d, d0 / d, d - d0, m < 2 ? "," : "");
