@@ -1,9 +1,10 @@
 """Prepares what the GPU checks carry to the device machine (at most 64 MiB), into ``gpu-carry/`` (git-ignored):
 
 - with ``--build DIR``: the patched llama.cpp built here with CUDA for sm_90 by build.sh (source in DIR/llama.cpp,
-  build in DIR/build, both reused when present; nvcc needed, no GPU): its shared libraries, test-kvp and the two
-  check programs, stripped, in bin.tar.xz. Without it: the pinned llama.cpp with kvp-cpp's patch series applied, trimmed to what
-  libllama, test-kvp and the CPU and CUDA backends need, which run.sh builds on the device;
+  refreshed from the patch series on every run; build in DIR/build, reused, so that a changed patch rebuilds only
+  what it touches; nvcc needed, no GPU): its shared libraries, test-kvp and the two check programs, stripped, in
+  bin.tar.xz. Without it: the pinned llama.cpp with kvp-cpp's patch series applied, trimmed to what libllama,
+  test-kvp and the CPU and CUDA backends need, which run.sh builds on the device;
 - gguf-py, and SmolLM2-135M-Instruct's metadata, tokenizer and tensor shapes (smollm2_shapes.json), from which
   make_gguf.py writes a random-weight model there;
 - the check sources, make_gguf.py, build.sh, run.sh.
@@ -93,8 +94,8 @@ def main() -> int:
         shutil.copytree(src / "gguf-py", CARRY / "gguf-py")
         if args.build:
             built_src = args.build / "llama.cpp"
-            if not built_src.exists():
-                shutil.copytree(src, built_src, symlinks=True)
+            # copies keep the sdist's times, so the build sees only the files the patches changed as new
+            shutil.copytree(src, built_src, symlinks=True, dirs_exist_ok=True)
             subprocess.run(["bash", str(HERE / "build.sh"), str(built_src), str(args.build / "build"), str(HERE)],
                            check=True)
             pack_prebuilt(args.build / "build", CARRY / "bin.tar.xz")
