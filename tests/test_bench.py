@@ -422,8 +422,10 @@ def test_launcher_adds_the_default_model_and_sweep(monkeypatch, model_path):
     shipped = kvp_cpp.shipped_policy_for(kvp_cpp.model_identity(model_path))
     assert cmd[cmd.index("--policies") + 1] == f"{bench.DEFAULT_POLICIES},kvp:{shipped}"
     assert cmd[cmd.index("--budgets") + 1] == bench.DEFAULT_BUDGETS
-    named = bench.command(["--tasks", "t.jsonl", "--policies", "full,kvp,knorm"])
-    assert named[named.index("--policies") + 1] == f"full,kvp:{shipped},knorm"
+    named = bench.command(["--tasks", "t.jsonl", "--policies", "full,kvp,knorm,kvp-chat"])
+    chat = kvp_cpp.shipped_policy_for(kvp_cpp.model_identity(model_path), "chat")
+    assert chat != shipped and chat.endswith("smollm2-135m-instruct.chat.kvp.bin")
+    assert named[named.index("--policies") + 1] == f"full,kvp:{shipped},knorm,kvp:{chat}"
     speed = bench.command(["--speed"])
     assert "--tasks" not in speed and speed[speed.index("--budgets") + 1] == bench.DEFAULT_SPEED_BUDGETS
     assert speed[speed.index("--policies") + 1] == f"{bench.DEFAULT_POLICIES},kvp:{shipped}"

@@ -377,3 +377,27 @@ def test_shipped_policy_by_name(model_path):
     assert llm.kv_stats()["captured_tensors"] > 0
     with pytest.raises(ValueError, match="no shipped KVP policy matches this model"):
         kvp_cpp.shipped_policy_for(dict(pf.smollm2_identity(), n_layer=12))
+
+
+def test_shipped_chat_policy_by_name(model_path):
+    """kv_policy="kvp-chat" is MODEL.chat.kvp.bin, "kvp" stays MODEL.kvp.bin although the chat file sorts first."""
+    shipped = kvp_cpp.shipped_policies()
+    identity = kvp_cpp.model_identity(model_path)
+    assert kvp_cpp.shipped_policy_for(identity) == shipped["smollm2-135m-instruct"]
+    assert kvp_cpp.shipped_policy_for(identity, "chat") == shipped["smollm2-135m-instruct.chat"]
+    assert pf.read_policy(shipped["smollm2-135m-instruct.chat"]).identity() == pf.read_policy(
+        shipped["smollm2-135m-instruct"]).identity()
+    llm = kvp_cpp.Llama(model_path, n_ctx=128, kv_policy="kvp-chat", verbose=False)
+    assert llm.kv_engine.policy_name == "kvp"
+    llm.eval(long_prompt(llm, 400))
+    assert_within_budget(llm, 128)
+    chat_kept = sorted(llm.kv_engine.ledger()["logical"].tolist())
+    default = kvp_cpp.Llama(model_path, n_ctx=128, kv_policy="kvp", verbose=False)
+    default.eval(long_prompt(default, 400))
+    assert sorted(default.kv_engine.ledger()["logical"].tolist()) != chat_kept  # another policy, other tokens kept
+    gemma = {"arch": "gemma3", "n_layer": 18, "n_head_kv": 1, "head_dim_k": 256, "head_dim_v": 256,
+             "n_ctx_train": 32768}
+    with pytest.raises(ValueError, match="no shipped KVP chat policy matches this model"):
+        kvp_cpp.shipped_policy_for(gemma, "chat")
+    with pytest.raises(ValueError, match="unknown shipped policy variant 'code'"):
+        kvp_cpp.shipped_policy_for(identity, "code")

@@ -297,6 +297,52 @@ def test_exported_policy_scores_match_the_torch_model(planted_run, synthetic):
         np.testing.assert_allclose(scores, reference, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(reference).max())))
 
 
+@pytest.fixture
+def two_sources(synthetic, tmp_path):
+    """The synthetic traces with their sequences split between two sources: "first" (ids 0-3) and "second"."""
+    import shutil
+
+    root = tmp_path / "two_sources"
+    shutil.copytree(synthetic[0], root)
+    with open(root / "manifest.json", encoding="utf-8") as f:
+        manifest = json.load(f)
+    for entry in manifest["sequences"]:
+        entry["source"] = "first" if entry["id"] < 4 else "second"
+    with open(root / "manifest.json", "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+    return str(root)
+
+
+def test_sources_restrict_training_statistics_and_evaluation(two_sources, tmp_path):
+    traces = TraceSet(two_sources)
+    second = [i for i in traces.sequence_indices("train") if traces.sequences[i].source == "second"]
+    assert second and len(second) < len(traces.sequence_indices("train"))
+    assert tr.training_sequences(traces, ["second"]) == second
+    assert tr.training_sequences(traces, None) == traces.sequence_indices("train")
+    with pytest.raises(ValueError, match="has the sources first,second"):
+        tr.training_sequences(traces, ["chats"])
+
+    features = pf.default_pos_features(traces.n_ctx_train)
+    everything = tr.input_statistics(traces, [1], features, n_sink=4, max_tokens=10**6)
+    only_second = tr.input_statistics(traces, [1], features, n_sink=4, max_tokens=10**6, sequences=second)
+    assert not np.allclose(everything[0], only_second[0])
+    k = np.concatenate([traces.keys(i)[1, 4 : max(traces.sequences[i].cuts)].astype(np.float64) for i in second])
+    np.testing.assert_allclose(only_second[0][:, : k.shape[-1]], k.mean(axis=0), rtol=1e-5, atol=1e-6)
+
+    trainer = tr.Trainer(traces, tr.parse_args(["--traces", two_sources, "--out", str(tmp_path / "p.kvp.bin"),
+                                                "--sources", "second", "--hidden", "8"]))  # fmt: skip
+    sampled = {index for _ in range(50) for index, _ in trainer.sample_prefixes()}
+    assert sampled <= set(second)
+    result = run_training(two_sources, tmp_path / "second.kvp.bin", "--sources", "second", "--steps", "5")
+    assert pf.read_policy(tmp_path / "second.kvp.bin").metadata["data"]["train_sequences"] == len(second)
+    assert result.trainer.args.sources == ["second"]
+
+    heldout_first = [cut for i, cut in traces.prefixes("heldout") if traces.sequences[i].source == "first"]
+    assert ev.evaluate(traces, sources=["first"])["prefix_lengths"] == heldout_first
+    with pytest.raises(ValueError, match="sources text"):
+        ev.evaluate(traces, sources=["text"])
+
+
 def test_same_seed_same_bytes_other_seed_other_bytes(synthetic, tmp_path):
     for name, seed in (("a", "0"), ("b", "0"), ("c", "1")):
         run_training(synthetic[0], tmp_path / f"{name}.kvp.bin", "--steps", "12", "--seed", seed)

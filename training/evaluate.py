@@ -105,8 +105,10 @@ def evaluate(
     max_prefixes: Optional[int] = None,
     min_cut: int = 0,
     seed: int = 0,
+    sources: Optional[Sequence[str]] = None,
 ) -> dict:
-    """Normalised eviction costs of the policy (if given), the baselines and the oracle on one split."""
+    """Normalised eviction costs of the policy (if given), the baselines and the oracle on one split (of the given
+    trace sources only, if sources is not None)."""
     if policy is not None:
         if policy.identity() != traces.identity():
             raise ValueError(f"policy identity {policy.identity()} does not match the traces' {traces.identity()}")
@@ -117,6 +119,11 @@ def evaluate(
         n_sink, n_recent = DEFAULT_SINK, max(DEFAULT_RECENT, traces.sliding_window)
         layers = traces.global_layers if layers is None else list(layers)
     prefixes = [(i, cut) for i, cut in traces.prefixes(split) if cut > n_sink + n_recent and cut >= min_cut]
+    if sources is not None:
+        available = sorted({traces.sequences[i].source for i, _ in prefixes})
+        if any(source not in available for source in sources):
+            raise ValueError(f"sources {','.join(sources)}: the {split} split has the sources {','.join(available)}")
+        prefixes = [(i, cut) for i, cut in prefixes if traces.sequences[i].source in sources]
     if max_prefixes is not None:
         prefixes = prefixes[:max_prefixes]
     if not prefixes or not layers:
@@ -149,6 +156,7 @@ def evaluate(
 
     result = {
         "split": split,
+        "sources": None if sources is None else list(sources),
         "n_prefixes": len(prefixes),
         "prefix_lengths": [cut for _, cut in prefixes],
         "n_sink": n_sink,
@@ -243,13 +251,15 @@ def main(argv=None) -> int:
     parser.add_argument("--min-cut", type=int, default=0,
                         help="only prefixes of at least this many tokens (length generalisation: longer than training)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random baseline")
+    parser.add_argument("--sources", type=lambda text: [part.strip() for part in text.split(",") if part.strip()],
+                        help="comma-separated trace sources to evaluate on (ruler, chats, text; default: all)")
     parser.add_argument("--json", help="write the full result here")
     parser.add_argument("--plot", help="write a PNG plot here")
     args = parser.parse_args(argv)
     traces = TraceSet(args.traces)
     policy = pf.read_policy(args.policy) if args.policy else None
     result = evaluate(traces, policy, split=args.split, max_prefixes=args.max_prefixes, min_cut=args.min_cut,
-                      seed=args.seed)
+                      seed=args.seed, sources=args.sources)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

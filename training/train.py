@@ -27,7 +27,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ __all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "train", 
 # Arguments that define a run: a checkpoint only resumes a run with the same values.
 RUN_KEYS = (
     "objective", "hidden", "activation", "steps", "seed", "lr", "min_lr", "warmup", "weight_decay", "clip",
-    "samples", "prefixes_per_step", "layers", "n_sink", "n_recent", "stat_tokens",
+    "samples", "prefixes_per_step", "layers", "n_sink", "n_recent", "stat_tokens", "sources",
 )  # fmt: skip
 
 
@@ -53,6 +53,10 @@ OBJECTIVES = ("rl", "supervised", "listwise")
 
 def _int_list(text: str) -> list:
     return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _name_list(text: str) -> list:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=_int_list,
                         help="comma-separated layers to train (default: every layer that attends to the whole "
                              "context; a sliding-window layer never sees the tokens eviction chooses from)")
+    parser.add_argument("--sources", type=_name_list,
+                        help="comma-separated trace sources to train on (ruler, chats, text; default: all), e.g. "
+                             "chats,text for a chat policy like the paper's KVP_S")
     parser.add_argument("--n-sink", type=int, default=4, help="first tokens never ranked (and the policy's default)")
     parser.add_argument("--n-recent", type=int,
                         help="last tokens never ranked (and the policy's default); default 16, or the model's "
@@ -107,15 +114,30 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_config(args: argparse.Namespace) -> dict:
-    return {key: getattr(args, key) for key in RUN_KEYS}
+    return {key: getattr(args, key, None) for key in RUN_KEYS}
 
 
-def input_statistics(traces: TraceSet, layers: list, features: list, n_sink: int, max_tokens: int):
-    """Per-agent (L·H, D) mean and 1/std of the agent inputs over the training split.
+def training_sequences(traces: TraceSet, sources: Optional[Sequence[str]] = None) -> list:
+    """Indices of the training split's sequences, of the given sources only if sources is not None."""
+    indices = traces.sequence_indices("train")
+    if sources is None:
+        return indices
+    available = sorted({traces.sequences[i].source for i in indices})
+    unknown = [source for source in sources if source not in available]
+    if unknown or not sources:
+        raise ValueError(f"--sources {','.join(sources)}: the training split has the sources {','.join(available)}")
+    return [i for i in indices if traces.sequences[i].source in sources]
+
+
+def input_statistics(traces: TraceSet, layers: list, features: list, n_sink: int, max_tokens: int,
+                     sequences: Optional[Sequence[int]] = None):
+    """Per-agent (L·H, D) mean and 1/std of the agent inputs over the training sequences (default: the split).
 
     Tokens are taken with one stride over every training sequence's cached range (n_sink … last cut − 1; the sink
     tokens, never ranked, often have outlier keys), so that at most max_tokens are read per layer."""
-    ranges = [(i, n_sink, max(traces.sequences[i].cuts, default=0)) for i in traces.sequence_indices("train")]
+    if sequences is None:
+        sequences = traces.sequence_indices("train")
+    ranges = [(i, n_sink, max(traces.sequences[i].cuts, default=0)) for i in sequences]
     total = sum(max(end - start, 0) for _, start, end in ranges)
     if total == 0:
         raise ValueError("the training split has no cached tokens")
@@ -175,9 +197,10 @@ class Trainer:
         if not self.layers or any(not 0 <= layer < traces.n_layer for layer in self.layers):
             raise ValueError(f"--layers {self.layers} must be within 0..{traces.n_layer - 1}")
         self.features = pf.default_pos_features(traces.n_ctx_train)
+        self.source_sequences = training_sequences(traces, getattr(args, "sources", None))
         self.train_sequences = [
             (index, [cut for cut in traces.sequences[index].cuts if cut > args.n_sink + args.n_recent + 1])
-            for index in traces.sequence_indices("train")
+            for index in self.source_sequences
         ]
         self.train_sequences = [(index, cuts) for index, cuts in self.train_sequences if cuts]
         if not self.train_sequences:
@@ -185,7 +208,8 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(args.seed)
         self.rng = np.random.default_rng(args.seed)
         if statistics is None:
-            statistics = input_statistics(traces, self.layers, self.features, args.n_sink, args.stat_tokens)
+            statistics = input_statistics(traces, self.layers, self.features, args.n_sink, args.stat_tokens,
+                                          self.source_sequences)
         shift, scale = statistics
         self.model = rl.AgentStack(
             len(self.layers) * traces.n_head_kv, shift.shape[1], args.hidden, args.activation, shift, scale,
@@ -309,7 +333,7 @@ def _metadata(trainer: Trainer, wall_time: Optional[float]) -> dict:
             "traces": os.path.basename(os.path.normpath(traces.root)),
             "model": {key: value for key, value in traces.model.items() if key != "path"},
             "n_future": traces.n_future,
-            "train_sequences": len(traces.sequence_indices("train")),
+            "train_sequences": len(trainer.source_sequences),
             "train_prefixes": sum(len(cuts) for _, cuts in trainer.train_sequences),
             "heldout_sequences": len(traces.sequence_indices("heldout")),
         },

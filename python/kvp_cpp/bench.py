@@ -5,7 +5,7 @@ The binary finds llama.cpp's libraries through its RUNPATH, relative to its own 
 ``-m <kvp_cpp.default_model_path()>`` when no model is given, and, when no ``--tasks``/``--text`` is given, a small
 default sweep: RULER tasks generated once with ``kvp_cpp.ruler`` into a cache folder, policies
 ``full,streaming,random`` (and ``kvp``, the shipped learned policy, when one matches the model) and budgets
-``256,512`` unless given (with ``--speed``: the same policies, budget ``1024``). In ``--policies``, ``kvp`` is replaced by ``kvp:PATH`` of that shipped policy. With
+``256,512`` unless given (with ``--speed``: the same policies, budget ``1024``). In ``--policies``, ``kvp`` (``kvp-chat``) is replaced by ``kvp:PATH`` of that shipped (chat) policy. With
 ``--kv-modes`` naming ``per_head``, the binary is started on the patched llama.cpp (``python -m
 kvp_cpp.llama_build``). Every other argument goes to the binary unchanged.
 """
@@ -90,11 +90,12 @@ def command(argv: Sequence[str]) -> List[str]:
 
 
 def _resolve_shipped(name: str, model_path: str) -> str:
-    """``kvp`` names the shipped learned policy for the model; the binary takes it as kvp:PATH."""
+    """``kvp`` (``kvp-chat``) names the shipped learned (chat) policy for the model; the binary takes it as
+    kvp:PATH."""
     from .llama import model_identity
-    from .shipped import SHIPPED_NAME, shipped_policy_for
+    from .shipped import SHIPPED_VARIANTS, resolve_shipped_name
 
-    return f"kvp:{shipped_policy_for(model_identity(model_path))}" if name == SHIPPED_NAME else name
+    return f"kvp:{resolve_shipped_name(name, model_identity(model_path))}" if name in SHIPPED_VARIANTS else name
 
 
 def default_policies(model_path: str) -> str:

@@ -18,7 +18,7 @@ import llama_cpp
 from llama_cpp import _internals as internals
 
 from . import _core, _llama_lib
-from .shipped import SHIPPED_NAME, shipped_policy_for
+from .shipped import SHIPPED_VARIANTS, resolve_shipped_name
 
 #: Logical tokens (everything ever evaluated in the sequence) a policy-driven Llama accepts by default. Only
 #: ``input_ids`` (4 bytes per token) grows with it; the KV cache stays at the budget.
@@ -204,8 +204,8 @@ class Llama(llama_cpp.Llama):
 
         budget = kv_budget if kv_budget is not None else self.context_params.n_ctx
         policy = self._kvp_args["kv_policy"]
-        if policy == SHIPPED_NAME:
-            policy = shipped_policy_for(_core.model_identity(_address(self._model.model)))
+        if policy in SHIPPED_VARIANTS:
+            policy = resolve_shipped_name(policy, _core.model_identity(_address(self._model.model)))
         engine = _core.Engine(
             _address(self._model.model), policy, int(budget),
             n_sink=-1 if kv_sink is None else int(kv_sink), n_recent=-1 if kv_recent is None else int(kv_recent),
@@ -236,7 +236,7 @@ class Llama(llama_cpp.Llama):
         except UnicodeEncodeError:
             raise ValueError(f"kv_policy path {policy!r} is not valid UTF-8; rename the policy file") from None
         self._kvp_args["kv_policy"] = policy
-        known = builtin_policies() + [SHIPPED_NAME]
+        known = builtin_policies() + list(SHIPPED_VARIANTS)
         if policy not in known:
             if os.path.sep not in policy and "." not in policy:
                 raise ValueError(f"unknown kv_policy '{policy}': use one of {', '.join(known)}, or a .kvp.bin path")
