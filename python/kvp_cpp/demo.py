@@ -98,7 +98,8 @@ def main(argv=None) -> int:
         run("llama.cpp, full cache", llama_cpp.Llama(model, n_ctx=length + 256, **common), prompt, value, 12)
     with tempfile.TemporaryDirectory() as tmp:
         for policy in filter(None, args.policies.split(",")):
-            label = {"kvp": "KVP, the shipped learned policy"}.get(policy, policy)
+            labels = {"kvp": "KVP, the shipped learned policy", "kvp-chat": "KVP chat, the shipped chat policy"}
+            label = labels.get(policy, policy)
             if policy == "random-kvp":
                 path = os.path.join(tmp, "random.kvp.bin")
                 policy_file.write_policy(path, policy_file.random_policy(**model_identity(model), hidden=(32,)))

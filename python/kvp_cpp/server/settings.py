@@ -28,7 +28,8 @@ class KvpModelSettings(ModelSettings):
     verbose: bool = Field(default=False, description="Print llama.cpp's logs and timings.")
     kv_policy: str = Field(
         default="kvp",
-        description="Eviction policy: 'kvp' (the shipped learned policy for the model), a built-in heuristic "
+        description="Eviction policy: 'kvp' (the shipped learned policy for the model), 'kvp-chat' (its chat "
+        "policy, where one is shipped), a built-in heuristic "
         "(streaming, random, knorm, keydiff, lagkv, tova, snapkv, observed_attention, h2o) or a .kvp.bin path.",
     )
     kv_budget: int = Field(default=1024, ge=1, description="KV cells the conversation may hold, in tokens.")
