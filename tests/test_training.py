@@ -317,10 +317,12 @@ def test_sources_restrict_training_statistics_and_evaluation(two_sources, tmp_pa
     traces = TraceSet(two_sources)
     second = [i for i in traces.sequence_indices("train") if traces.sequences[i].source == "second"]
     assert second and len(second) < len(traces.sequence_indices("train"))
-    assert tr.training_sequences(traces, ["second"]) == second
-    assert tr.training_sequences(traces, None) == traces.sequence_indices("train")
+    assert traces.sequences_of("train", ["second"]) == second
+    assert traces.sequences_of("train", None) == traces.sequence_indices("train")
     with pytest.raises(ValueError, match="has the sources first,second"):
-        tr.training_sequences(traces, ["chats"])
+        traces.sequences_of("train", ["chats"])
+    with pytest.raises(ValueError, match="has the sources first,second"):
+        traces.sequences_of("train", [])
 
     features = pf.default_pos_features(traces.n_ctx_train)
     everything = tr.input_statistics(traces, [1], features, n_sink=4, max_tokens=10**6)

@@ -28,7 +28,7 @@ import numpy as np
 import kvp_cpp
 from kvp_cpp import policy_file as pf
 
-from .traces import LayerTrace, TraceSet
+from .traces import LayerTrace, TraceSet, comma_names
 
 __all__ = [
     "BUDGETS", "BASELINES", "MODES", "baseline_scores", "evicted_importance", "policy_score_fn", "evaluate", "summary",
@@ -118,12 +118,9 @@ def evaluate(
     else:
         n_sink, n_recent = DEFAULT_SINK, max(DEFAULT_RECENT, traces.sliding_window)
         layers = traces.global_layers if layers is None else list(layers)
-    prefixes = [(i, cut) for i, cut in traces.prefixes(split) if cut > n_sink + n_recent and cut >= min_cut]
-    if sources is not None:
-        available = sorted({traces.sequences[i].source for i, _ in prefixes})
-        if any(source not in available for source in sources):
-            raise ValueError(f"sources {','.join(sources)}: the {split} split has the sources {','.join(available)}")
-        prefixes = [(i, cut) for i, cut in prefixes if traces.sequences[i].source in sources]
+    chosen = set(traces.sequences_of(split, sources))
+    prefixes = [(i, cut) for i, cut in traces.prefixes(split)
+                if i in chosen and cut > n_sink + n_recent and cut >= min_cut]
     if max_prefixes is not None:
         prefixes = prefixes[:max_prefixes]
     if not prefixes or not layers:
@@ -251,7 +248,7 @@ def main(argv=None) -> int:
     parser.add_argument("--min-cut", type=int, default=0,
                         help="only prefixes of at least this many tokens (length generalisation: longer than training)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random baseline")
-    parser.add_argument("--sources", type=lambda text: [part.strip() for part in text.split(",") if part.strip()],
+    parser.add_argument("--sources", type=comma_names,
                         help="comma-separated trace sources to evaluate on (ruler, chats, text; default: all)")
     parser.add_argument("--json", help="write the full result here")
     parser.add_argument("--plot", help="write a PNG plot here")

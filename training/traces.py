@@ -19,6 +19,7 @@ import numpy as np
 
 __all__ = [
     "TRACE_VERSION",
+    "comma_names",
     "SPLITS",
     "TraceFormatError",
     "LayerTrace",
@@ -155,6 +156,17 @@ class TraceSet:
             raise ValueError(f"split {split!r} is not one of {SPLITS}")
         return [i for i, s in enumerate(self.sequences) if split is None or s.split == split]
 
+    def sequences_of(self, split: str, sources: Optional[Sequence[str]] = None) -> list:
+        """Indices of one split's sequences, of the given sources only (all if sources is None); a source the
+        split does not have is an error that lists those it has."""
+        indices = self.sequence_indices(split)
+        if sources is None:
+            return indices
+        available = sorted({self.sequences[i].source for i in indices})
+        if not sources or any(source not in available for source in sources):
+            raise ValueError(f"sources {','.join(sources)}: the {split} split has the sources {','.join(available)}")
+        return [i for i in indices if self.sequences[i].source in sources]
+
     def prefixes(self, split: Optional[str] = None) -> list:
         """(sequence index, cut) of every cached prefix of one split (or all), in manifest order."""
         return [(i, cut) for i in self.sequence_indices(split) for cut in self.sequences[i].cuts]
@@ -236,6 +248,11 @@ class SyntheticTruth:
     values: list  # per sequence: (n_layer, n_tokens, n_head_kv, head_dim) float16
     importance: list  # per sequence: {cut: (n_layer, n_head_kv, cut) float32}
     splits: list  # per sequence: "train" or "heldout"
+
+
+def comma_names(text: str) -> list:
+    """A command line's comma-separated names, e.g. --sources chats,text."""
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def write_synthetic_traces(

@@ -37,7 +37,7 @@ from kvp_cpp import policy_file as pf
 
 from . import evaluate as ev
 from . import rl
-from .traces import TraceSet
+from .traces import TraceSet, comma_names
 
 __all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "train", "main"]
 
@@ -53,10 +53,6 @@ OBJECTIVES = ("rl", "supervised", "listwise")
 
 def _int_list(text: str) -> list:
     return [int(part) for part in text.split(",") if part.strip()]
-
-
-def _name_list(text: str) -> list:
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=_int_list,
                         help="comma-separated layers to train (default: every layer that attends to the whole "
                              "context; a sliding-window layer never sees the tokens eviction chooses from)")
-    parser.add_argument("--sources", type=_name_list,
+    parser.add_argument("--sources", type=comma_names,
                         help="comma-separated trace sources to train on (ruler, chats, text; default: all), e.g. "
                              "chats,text for a chat policy like the paper's KVP_S")
     parser.add_argument("--n-sink", type=int, default=4, help="first tokens never ranked (and the policy's default)")
@@ -114,19 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_config(args: argparse.Namespace) -> dict:
-    return {key: getattr(args, key, None) for key in RUN_KEYS}
-
-
-def training_sequences(traces: TraceSet, sources: Optional[Sequence[str]] = None) -> list:
-    """Indices of the training split's sequences, of the given sources only if sources is not None."""
-    indices = traces.sequence_indices("train")
-    if sources is None:
-        return indices
-    available = sorted({traces.sequences[i].source for i in indices})
-    unknown = [source for source in sources if source not in available]
-    if unknown or not sources:
-        raise ValueError(f"--sources {','.join(sources)}: the training split has the sources {','.join(available)}")
-    return [i for i in indices if traces.sequences[i].source in sources]
+    return {key: getattr(args, key) for key in RUN_KEYS}
 
 
 def input_statistics(traces: TraceSet, layers: list, features: list, n_sink: int, max_tokens: int,
@@ -197,7 +181,7 @@ class Trainer:
         if not self.layers or any(not 0 <= layer < traces.n_layer for layer in self.layers):
             raise ValueError(f"--layers {self.layers} must be within 0..{traces.n_layer - 1}")
         self.features = pf.default_pos_features(traces.n_ctx_train)
-        self.source_sequences = training_sequences(traces, getattr(args, "sources", None))
+        self.source_sequences = traces.sequences_of("train", args.sources)
         self.train_sequences = [
             (index, [cut for cut in traces.sequences[index].cuts if cut > args.n_sink + args.n_recent + 1])
             for index in self.source_sequences
