@@ -56,6 +56,7 @@ cmake --build "$build/cmake" --target kvp_core kvp_engine _core -j 2 >"$build/bu
 # Odd head dims leave SIMD tails; f16 and f32, one to three hidden layers, unscored layers, every position feature.
 "$python" - "$build/policies" <<'PY'
 import sys
+import numpy as np
 from kvp_cpp import policy_file as pf
 
 shapes = {
@@ -69,7 +70,11 @@ shapes = {
                      hidden=(), activation="tanh", weight_dtype="f16"),
 }
 for seed, (name, shape) in enumerate(shapes.items()):
-    pf.write_policy(f"{sys.argv[1]}/{name}.kvp.bin", pf.random_policy(seed=seed, **shape))
+    data = pf.random_policy(seed=seed, **shape)
+    if name in ("odd-dims-f16", "tanh-f16"):  # recency terms (a version 2 file): 5 knots, and 1
+        knots = 5 if name == "odd-dims-f16" else 1
+        data.recency = {key: np.linspace(1.0, -1.0, knots, dtype=np.float32) * (1 + i) for i, key in enumerate(sorted(data.agents))}
+    pf.write_policy(f"{sys.argv[1]}/{name}.kvp.bin", data)
 PY
 
 echo "sanitizers: tests/cpp/test_core.cpp under ASan + UBSan"

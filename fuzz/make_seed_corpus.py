@@ -31,6 +31,8 @@ SHAPES = {
     "one-of-everything": dict(arch="x", n_layer=1, n_head_kv=1, head_dim_k=1, head_dim_v=1, n_ctx_train=1, hidden=(),
                               pos=[], metadata={}),
 }  # fmt: skip
+# shapes also written with recency terms (kvp.bin version 2), and their number of knots
+RECENCY_KNOTS = {"tiny": 3, "unscored-layers-tanh": 1, "one-of-everything": 32}
 
 
 def load_policy_file_module():
@@ -47,12 +49,23 @@ def main() -> None:
     out_dir = parser.parse_args().out_dir
     pf = load_policy_file_module()
     out_dir.mkdir(parents=True, exist_ok=True)
+    count = 0
     for seed, (name, shape) in enumerate(SHAPES.items()):
         for weight_dtype in pf.WEIGHT_DTYPES:
-            blob = pf.encode_policy(pf.random_policy(weight_dtype=weight_dtype, seed=seed, **shape))
-            pf.decode_policy(blob)  # a seed the reference reader rejects would only waste fuzzing time
-            (out_dir / f"{name}-{weight_dtype}.kvp.bin").write_bytes(blob)
-    print(f"{2 * len(SHAPES)} seed files in {out_dir}")
+            data = pf.random_policy(weight_dtype=weight_dtype, seed=seed, **shape)
+            variants = {name: data}
+            if name in RECENCY_KNOTS:  # the same with recency terms: a version 2 file
+                with_recency = pf.decode_policy(pf.encode_policy(data))
+                knots = RECENCY_KNOTS[name]
+                with_recency.recency = {key: [0.5 * (i - j) for j in range(knots)]
+                                        for i, key in enumerate(sorted(with_recency.agents))}  # fmt: skip
+                variants[f"{name}-recency"] = with_recency
+            for variant, policy in variants.items():
+                blob = pf.encode_policy(policy)
+                pf.decode_policy(blob)  # a seed the reference reader rejects would only waste fuzzing time
+                (out_dir / f"{variant}-{weight_dtype}.kvp.bin").write_bytes(blob)
+                count += 1
+    print(f"{count} seed files in {out_dir}")
 
 
 if __name__ == "__main__":

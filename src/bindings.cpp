@@ -74,6 +74,7 @@ nb::dict agent_dict(const kvp::Policy& policy, uint32_t layer, uint32_t head) {
     d["scale"] = array_from(agent.scale, {agent.scale.size()});
     d["weights"] = weights;
     d["biases"] = biases;
+    d["recency"] = array_from(agent.recency, {agent.recency.size()});
     return d;
 }
 
@@ -110,6 +111,7 @@ NB_MODULE(_core, m) {
         .def_prop_ro("identity", [](const kvp::Policy& p) { return identity_dict(p.identity); })
         .def_ro("n_sink", &kvp::Policy::n_sink)
         .def_ro("n_recent", &kvp::Policy::n_recent)
+        .def_ro("n_recency_knots", &kvp::Policy::n_recency_knots)
         .def_ro("hidden", &kvp::Policy::hidden)
         .def_ro("metadata_json", &kvp::Policy::metadata_json)
         .def_prop_ro("activation", [](const kvp::Policy& p) { return activation_name(p.activation); })
@@ -153,6 +155,22 @@ NB_MODULE(_core, m) {
               return out;
           },
           "policy"_a, "positions"_a);
+
+    m.def("recency_terms",
+          [](const kvp::Policy& p, uint32_t layer, const Int64In& ages) {
+              if (layer >= p.identity.n_layer || !p.layer_scored[layer]) throw nb::value_error("this layer has no agents");
+              const size_t n = ages.shape(0), n_head = p.identity.n_head_kv;
+              auto out = new_array<double>({n, n_head});
+              for (size_t i = 0; i < n; ++i) {
+                  if (ages.data()[i] < 1) throw nb::value_error("token ages must be at least 1");
+                  for (size_t h = 0; h < n_head; ++h)
+                      out.data()[i * n_head + h] =
+                          kvp::recency_term(p.agent(layer, uint32_t(h)).recency.data(), p.n_recency_knots, ages.data()[i]);
+              }
+              return out;
+          },
+          "policy"_a, "layer"_a, "ages"_a,
+          "(tokens, n_head_kv) recency terms of one layer's agents for token ages >= 1; zeros without recency terms");
 
     // --- kernels ------------------------------------------------------------------------------------------
     m.def("available_kernels", [] {

@@ -91,6 +91,8 @@ Ranking rank_tokens(const std::string& name, const ModelIdentity& model, int lay
     if (contains(policy->capture_layers(), layer))
         policy->score_kv(layer, k, v, ledger.original_pos_data(), ledger.logical_data(), ledger.scores(0), stride);
     policy->refresh_scores(ledger);
+    if (policy->has_recency_terms() && n > 0)
+        policy->add_recency_terms(ledger, *std::max_element(positions, positions + n) + 1);
 
     Ranking out;
     out.scores.resize(size_t(n_head * n));

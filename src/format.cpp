@@ -2,6 +2,7 @@
 // implements the same checks in the same order, so both readers name the same problem for the same bad file.
 #include "kvp/format.h"
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cerrno>
@@ -34,7 +35,8 @@ constexpr size_t kOffWeightDtype = 100;
 constexpr size_t kOffNSink = 104;
 constexpr size_t kOffNRecent = 108;
 constexpr size_t kOffMetadataBytes = 112;
-constexpr size_t kOffReserved = 120;
+constexpr size_t kOffRecencyKnots = 120;  // version 2; reserved (zero) in version 1
+constexpr size_t kOffReserved = 124;
 
 constexpr size_t kChecksumBytes = 4;
 constexpr size_t kPosFeatureBytes = 8;  // u32 kind + f32 a
@@ -220,15 +222,22 @@ void compute_pos_features(const std::vector<PosFeature>& features, int64_t posit
     }
 }
 
+double recency_term(const float* knots, uint32_t n_knots, int64_t age) {
+    if (n_knots == 0) return 0.0;
+    const double u = std::min(std::log2(static_cast<double>(std::max<int64_t>(age, 1))), double(n_knots - 1));
+    const uint32_t j = std::min(static_cast<uint32_t>(u), n_knots >= 2 ? n_knots - 2 : 0u);
+    const double t = u - j;
+    const uint32_t upper = std::min(j + 1, n_knots - 1);
+    return (1.0 - t) * knots[j] + t * knots[upper];
+}
+
 Policy parse_policy(const uint8_t* data, size_t size) {
     if (size < kHeaderBytes)
         fail("file is " + std::to_string(size) + " bytes, shorter than the " + std::to_string(kHeaderBytes) +
              "-byte header");
     if (std::memcmp(data, kPolicyMagic, sizeof(kPolicyMagic)) != 0) fail("bad magic: not a kvp.bin policy file");
     const uint32_t version = read_u32(data + kOffVersion);
-    if (version != kPolicyVersion)
-        fail("version=" + std::to_string(version) + " is not supported (expected " +
-             std::to_string(kPolicyVersion) + ")");
+    if (version != 1 && version != 2) fail("version=" + std::to_string(version) + " is not supported (expected 1 or 2)");
     const uint32_t header_bytes = read_u32(data + kOffHeaderBytes);
     if (header_bytes != kHeaderBytes)
         fail("header_bytes=" + std::to_string(header_bytes) + " (expected " + std::to_string(kHeaderBytes) + ")");
@@ -270,7 +279,13 @@ Policy parse_policy(const uint8_t* data, size_t size) {
     if (metadata_bytes > kMaxMetadataBytes)
         fail("metadata_bytes=" + std::to_string(metadata_bytes) + " is more than " +
              std::to_string(kMaxMetadataBytes));
-    if (read_u64(data + kOffReserved) != 0) fail("reserved header bytes are not zero");
+    const uint32_t n_recency_knots = read_u32(data + kOffRecencyKnots);
+    if (version == 1 && n_recency_knots != 0) fail("reserved header bytes are not zero");
+    if (version == 2 && (n_recency_knots < 1 || n_recency_knots > kMaxRecencyKnots))
+        fail("n_recency_knots=" + std::to_string(n_recency_knots) + " is outside 1.." +
+             std::to_string(kMaxRecencyKnots));
+    if (read_u32(data + kOffReserved) != 0) fail("reserved header bytes are not zero");
+    policy.n_recency_knots = n_recency_knots;
 
     ModelIdentity& id = policy.identity;
     id.n_layer = read_u32(data + kOffNLayer);
@@ -312,6 +327,7 @@ Policy parse_policy(const uint8_t* data, size_t size) {
         agent_bytes = checked_add(agent_bytes, checked_mul(checked_add(checked_mul(n_out, n_in), n_out), value_bytes));
         n_in = n_out;
     }
+    agent_bytes = checked_add(agent_bytes, uint64_t{n_recency_knots} * 4);
     const uint64_t total_bytes =
         checked_add(fixed_bytes, checked_mul(checked_mul(n_scored, id.n_head_kv), agent_bytes));
     if (total_bytes != file_bytes)
@@ -355,6 +371,13 @@ Policy parse_policy(const uint8_t* data, size_t size) {
                 layer_in = dense.n_out;
             }
         }
+    }
+
+    for (uint32_t layer = 0; layer < id.n_layer && n_recency_knots; ++layer) {
+        if (!policy.layer_scored[layer]) continue;
+        for (uint32_t head = 0; head < id.n_head_kv; ++head)
+            read_values(cursor, WeightDtype::f32, n_recency_knots, policy.agents[size_t{layer} * id.n_head_kv + head].recency,
+                        layer, head, "recency");
     }
 
     const uint8_t* metadata = cursor.take(metadata_bytes, "the metadata");

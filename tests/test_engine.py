@@ -317,6 +317,56 @@ def test_oneshot_compress(model_path, random_policy_path):
         llm.kv_compress(10)
 
 
+def test_recency_terms_join_the_scores_when_ranking(model_path, tmp_path):
+    data = pf.random_policy(**pf.smollm2_identity(), hidden=(16,), seed=3)
+    rng = np.random.default_rng(11)
+    data.recency = {key: (rng.standard_normal(12) * 3).astype(np.float32) for key in sorted(data.agents)}
+    path = tmp_path / "recency.kvp.bin"
+    pf.write_policy(path, data)
+    llm = kvp_cpp.Llama(model_path, n_ctx=1024, kv_policy=str(path), kv_sink=4, kv_recent=16, verbose=False)
+    llm.eval(long_prompt(llm, 700))
+    scores = llm.kv_engine.ledger()["scores"].astype(np.float64)  # (700, 90) as the MLP wrote them
+    ages = 700 - np.arange(700)
+    recency = np.concatenate([pf.recency_terms(data, layer, ages) for layer in range(data.n_layer)], axis=1)
+    llm.kv_compress(128)
+    ledger = llm.kv_engine.ledger()
+
+    def top(columns):
+        candidates = columns[4:684]
+        probabilities = np.exp(candidates - candidates.max(axis=0))
+        keep = (probabilities / probabilities.sum(axis=0)).sum(axis=1)
+        return sorted((4 + np.argsort(-keep, kind="stable")[: 128 - 20]).tolist())
+
+    ranked = (scores.astype(np.float32) + recency).astype(np.float32).astype(np.float64)
+    assert ledger["logical"][4:-16].tolist() == top(ranked)
+    assert top(ranked) != top(scores)  # the terms changed the choice
+    # the ledger keeps the scores as written; the terms depend on the moment of each eviction
+    np.testing.assert_array_equal(ledger["scores"], scores[ledger["logical"]].astype(np.float32))
+
+
+def test_recency_terms_turn_a_keep_the_oldest_policy_into_streaming(model_path, tmp_path):
+    # the MLP keeps the oldest tokens (its score falls with the position feature p / 8192) ...
+    data = pf.random_policy(**pf.smollm2_identity(), hidden=(), seed=0)
+    for agent in data.agents.values():
+        weight = np.zeros_like(agent.weights[0])
+        weight[0, -1] = -50.0
+        agent.weights, agent.biases = [weight], [np.zeros_like(agent.biases[0])]
+    # ... and recency terms that fall faster with age turn it into streaming
+    data.recency = {key: -4.0 * np.arange(14, dtype=np.float32) for key in sorted(data.agents)}
+    path = tmp_path / "recency_only.kvp.bin"
+    pf.write_policy(path, data)
+    llm = kvp_cpp.Llama(model_path, n_ctx=128, kv_policy=str(path), kv_sink=4, kv_recent=8, verbose=False)
+    llm.eval(long_prompt(llm, 600))
+    logical = llm.kv_engine.ledger()["logical"].tolist()
+    assert llm.kv_stats()["tokens_evicted"] >= 600 - 128
+    assert logical[:4] == [0, 1, 2, 3] and logical[4:] == list(range(600 - len(logical) + 4, 600))
+    data.recency = {}
+    pf.write_policy(path, data)
+    llm = kvp_cpp.Llama(model_path, n_ctx=128, kv_policy=str(path), kv_sink=4, kv_recent=8, verbose=False)
+    llm.eval(long_prompt(llm, 600))
+    assert llm.kv_engine.ledger()["logical"].tolist()[:80] == list(range(80))  # without them the oldest stay
+
+
 def test_set_budget_after_compress_appends_without_evicting(model_path):
     """The oneshot protocol of kvpress and the paper: compress once, then the question and answer are appended."""
     llm = kvp_cpp.Llama(model_path, n_ctx=1024, kv_policy="knorm", verbose=False)

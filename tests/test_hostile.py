@@ -123,7 +123,9 @@ def raw_header(offset: int, raw: bytes) -> Callable[[Env], Any]:
 
 # One value outside the spec's range for every header field (docs/kvp-bin-format.md, "Layout").
 HEADER_OUT_OF_RANGE = [
-    ("version", 2, "version=2 is not supported"),
+    ("version", 3, "version=3 is not supported"),
+    ("version", 2, r"n_recency_knots=0 is outside 1..32"),  # a version 2 file without its recency terms
+    ("n_recency_knots", 33, "reserved header bytes are not zero"),  # version 1: reserved
     ("header_bytes", 64, "header_bytes=64"),
     ("file_bytes", len(SMOLLM2_BLOB) + 8, f"file_bytes={len(SMOLLM2_BLOB) + 8} but the file is"),
     ("n_layer", 1025, "n_layer=1025 is outside 1..1024"),

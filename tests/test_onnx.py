@@ -1,4 +1,5 @@
 """ONNX export (training.export_onnx) and conversion back to kvp.bin (training.onnx_to_kvp), docs/onnx.md."""
+import json
 import os
 import sys
 
@@ -280,3 +281,38 @@ def test_converter_rejects_malformed_graphs(valid_model, case):
 
 def test_unedited_graph_is_accepted(valid_model):
     assert onnx_to_kvp.convert(valid_model) == pf.encode_policy(make_policy("three_hidden_gelu_f16"))
+
+
+def with_recency(data, knots=5, seed=4):
+    rng = np.random.default_rng(seed)
+    data.recency = {key: rng.standard_normal(knots).astype(np.float32) for key in sorted(data.agents)}
+    return data
+
+
+@pytest.mark.parametrize("name", ["smollm2_relu_f32", "unscored_layers_silu_f16"])
+def test_recency_terms_travel_beside_the_graph(name):
+    data = with_recency(make_policy(name))
+    model = export_onnx.policy_to_onnx(data)
+    onnx.checker.check_model(model, full_check=True)
+    stored = json.loads(next(p.value for p in model.metadata_props if p.key == export_onnx.RECENCY_KEY))
+    assert stored["knots"] == 5 and len(stored["values"]) == sum(data.layer_scored)
+    blob = onnx_to_kvp.convert(model)
+    assert blob == pf.encode_policy(data)  # a version 2 file, recency terms bit for bit
+    # the graph itself is the same as without them
+    plain = export_onnx.policy_to_onnx(make_policy(name))
+    assert model.graph == plain.graph
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda values: values["values"].pop(), r"'kvp.recency' is not \{'knots': K"),
+    (lambda values: values.update(knots=6), r"'kvp.recency' is not \{'knots': K"),
+    (lambda values: values["values"][0][0].__setitem__(2, "x"), r"'kvp.recency' is not \{'knots': K"),
+    (lambda values: values["values"][0][0].__setitem__(1, float("nan")), r"\(layer 0, head 0\): recency\[1\] is not finite"),
+])  # fmt: skip
+def test_converter_rejects_malformed_recency_terms(edit, message):
+    model = export_onnx.policy_to_onnx(with_recency(make_policy("smollm2_relu_f32")))
+    values = json.loads(next(p.value for p in model.metadata_props if p.key == export_onnx.RECENCY_KEY))
+    edit(values)
+    _set_prop(model, export_onnx.RECENCY_KEY, json.dumps(values))
+    with pytest.raises(ValueError, match=message):
+        onnx_to_kvp.convert(model)

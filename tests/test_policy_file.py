@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
 import struct
 import zlib
 
@@ -23,6 +24,7 @@ from kvp_cpp.policy_file import (
     pos_features,
     random_policy,
     read_policy,
+    recency_terms,
     reference_scores,
     smollm2_identity,
     write_policy,
@@ -32,9 +34,10 @@ from kvp_cpp.policy_file import (
 U32_FIELDS = {
     "version": 8, "header_bytes": 12, "n_layer": 56, "n_head_kv": 60, "head_dim_k": 64, "head_dim_v": 68,
     "n_ctx_train": 72, "n_pos_features": 76, "n_dense": 80, "hidden[0]": 84, "hidden[1]": 88, "hidden[2]": 92,
-    "activation": 96, "weight_dtype": 100, "n_sink": 104, "n_recent": 108,
+    "activation": 96, "weight_dtype": 100, "n_sink": 104, "n_recent": 108, "n_recency_knots": 120,
+    "reserved[124]": 124,
 }  # fmt: skip
-U64_FIELDS = {"file_bytes": 16, "metadata_bytes": 112, "reserved": 120}
+U64_FIELDS = {"file_bytes": 16, "metadata_bytes": 112, "reserved": 120}  # version 1: 120..127 reserved
 ARCH_OFFSET = 24
 HEADER = 128
 
@@ -52,6 +55,13 @@ def small_policy(weight_dtype: str = "f32", **overrides) -> PolicyData:
     )  # fmt: skip
     args.update(overrides)
     return random_policy(**args)
+
+
+def with_recency(data: PolicyData, knots: int = 3, seed: int = 5) -> PolicyData:
+    """data with a recency term of `knots` values for every scored agent (a version 2 file)."""
+    rng = np.random.default_rng(seed)
+    data.recency = {key: rng.standard_normal(knots).astype(np.float32) for key in sorted(data.agents)}
+    return data
 
 
 def refresh(blob) -> bytes:
@@ -105,8 +115,12 @@ def value_offsets(data: PolicyData) -> dict:
 
 def assert_same_data(a: PolicyData, b: PolicyData) -> None:
     for f in dataclasses.fields(PolicyData):
-        if f.name != "agents":
+        if f.name not in ("agents", "recency"):
             assert getattr(a, f.name) == getattr(b, f.name), f.name
+    assert a.recency.keys() == b.recency.keys()
+    for key, values in a.recency.items():
+        assert values.dtype == np.float32
+        np.testing.assert_array_equal(values, b.recency[key])
     assert a.agents.keys() == b.agents.keys()
     for key, agent in a.agents.items():
         other = b.agents[key]
@@ -129,8 +143,10 @@ def assert_core_matches(policy, data: PolicyData) -> None:
     assert list(policy.layer_scored) == list(data.layer_scored)
     assert policy.input_dim == data.input_dim
     assert json.loads(policy.metadata_json) == data.metadata
+    assert policy.n_recency_knots == data.n_recency_knots
     for (layer, head), agent in data.agents.items():
         native = policy.agent(layer, head)
+        np.testing.assert_array_equal(native["recency"], data.recency.get((layer, head), np.zeros(0, np.float32)))
         np.testing.assert_array_equal(native["shift"], agent.shift)
         np.testing.assert_array_equal(native["scale"], agent.scale)
         assert len(native["weights"]) == len(agent.weights) and len(native["biases"]) == len(agent.biases)
@@ -196,6 +212,112 @@ def test_file_size_matches_layout():
     assert blob[:8] == b"KVPOLICY"
     assert blob[-4 - len(metadata) : -4] == metadata
     assert struct.unpack_from("<I", blob, len(blob) - 4)[0] == zlib.crc32(blob[:-4])
+
+
+# --- version 2: recency terms -----------------------------------------------------------------------------------
+
+SHIPPED = sorted((pathlib.Path(__file__).resolve().parents[1] / "models").glob("*.kvp.bin"))
+
+
+@pytest.mark.parametrize("knots", [1, 3, 32])
+@pytest.mark.parametrize("weight_dtype", ["f32", "f16"])
+def test_recency_round_trip_python_and_cpp(knots, weight_dtype, tmp_path):
+    plain = encode_policy(small_policy(weight_dtype))
+    data = with_recency(small_policy(weight_dtype), knots)
+    blob = encode_policy(data)
+    assert struct.unpack_from("<II", blob, 8)[0] == 2 and struct.unpack_from("<I", blob, 120)[0] == knots
+    assert len(blob) == len(plain) + 4 * knots * 2  # two scored agents, f32 values after the agents
+    assert blob[-4 - len(json.dumps(data.metadata)) - 8 * knots : -4 - len(json.dumps(data.metadata))] == b"".join(
+        data.recency[key].tobytes() for key in sorted(data.agents)
+    )
+    decoded = decode_policy(blob)
+    assert_same_data(decoded, data)
+    assert encode_policy(decoded) == blob
+    assert_core_matches(_core.parse_policy(blob), data)
+    path = tmp_path / "policy.kvp.bin"
+    write_policy(path, data)
+    assert_core_matches(_core.load_policy(str(path)), data)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_policies_without_recency_stay_version_1_byte_for_byte(path):
+    blob = path.read_bytes()
+    data = decode_policy(blob)
+    if data.recency:
+        pytest.skip("this shipped policy has recency terms")
+    assert struct.unpack_from("<I", blob, 8)[0] == 1
+    assert encode_policy(data) == blob
+
+
+def test_recency_terms_by_hand():
+    data = small_policy()
+    data.recency = {(0, 0): np.array([2.0, -1.0, 4.0], np.float32), (0, 1): np.array([0.5, 0.5, 0.5], np.float32)}
+    ages = np.array([1, 2, 3, 4, 5, 8, 1 << 40], np.int64)
+    u3 = math.log2(3)  # between the knots at ages 2 and 4
+    expected = [2.0, -1.0, -1.0 + (u3 - 1) * 5.0, 4.0, 4.0, 4.0, 4.0]  # constant from the last knot (age 4) on
+    np.testing.assert_allclose(recency_terms(data, 0, ages)[:, 0], expected, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(recency_terms(data, 0, ages)[:, 1], 0.5)
+    native = _core.recency_terms(_core.parse_policy(encode_policy(data)), 0, ages)
+    np.testing.assert_allclose(native, recency_terms(data, 0, ages), rtol=0, atol=1e-12)
+    single = small_policy()
+    single.recency = {(0, 0): np.array([3.0], np.float32), (0, 1): np.array([-2.0], np.float32)}
+    np.testing.assert_array_equal(_core.recency_terms(_core.parse_policy(encode_policy(single)), 0, ages),
+                                  np.tile([3.0, -2.0], (len(ages), 1)))
+    np.testing.assert_array_equal(recency_terms(small_policy(), 0, ages), 0.0)  # none: zeros
+    for reader in (lambda a: recency_terms(data, 0, a),
+                   lambda a: _core.recency_terms(_core.parse_policy(encode_policy(data)), 0, a)):
+        with pytest.raises(ValueError, match="at least 1"):
+            reader(np.array([3, 0], np.int64))
+    with pytest.raises(ValueError, match="no agents"):
+        recency_terms(data, 1, ages)
+
+
+def _recency_offset(blob: bytes, data: PolicyData) -> int:
+    return len(blob) - 4 - len(json.dumps(data.metadata).encode()) - 4 * data.n_recency_knots * len(data.agents)
+
+
+MALFORMED_V2 = [
+    ("knots-over", lambda b, o: put_field(b, "n_recency_knots", 33), "n_recency_knots=33 is outside 1..32"),
+    ("knots-fewer", lambda b, o: put_field(b, "n_recency_knots", 2), "sections require"),
+    ("reserved", lambda b, o: put_field(b, "reserved[124]", 7), "reserved header bytes are not zero"),
+    ("as-version-1", lambda b, o: put_field(b, "version", 1), "reserved header bytes are not zero"),
+    ("recency-nan", lambda b, o: put(b, o + 4 * 5, "<f", float("nan")), "agent (layer 0, head 1): recency[2] is not finite"),
+    ("recency-inf", lambda b, o: put(b, o, "<f", float("-inf")), "agent (layer 0, head 0): recency[0] is not finite"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutate, expected", [m[1:] for m in MALFORMED_V2], ids=[m[0] for m in MALFORMED_V2])
+def test_malformed_recency_rejected_by_both_readers(mutate, expected):
+    data = with_recency(small_policy())
+    blob = encode_policy(data)
+    py_message, cpp_message = both_reject(mutate(blob, _recency_offset(blob, data)))
+    assert expected in py_message
+    assert py_message == cpp_message
+
+
+def test_truncated_version_2_file_is_a_clean_error():
+    blob = encode_policy(with_recency(small_policy()))
+    for size in range(len(blob)):
+        py_message, cpp_message = both_reject(blob[:size])
+        assert ("128-byte header" if size < HEADER else "file_bytes") in py_message
+        assert py_message == cpp_message
+
+
+INVALID_RECENCY = [
+    ("some-agents", lambda d: {(0, 0): np.zeros(3, np.float32)}, "recency terms do not match"),
+    ("lengths-differ", lambda d: {(0, 0): np.zeros(3, np.float32), (0, 1): np.zeros(2, np.float32)}, "has shape (2,)"),
+    ("too-many-knots", lambda d: {key: np.zeros(33, np.float32) for key in d.agents}, "n_recency_knots=33"),
+    ("nan", lambda d: {(0, 0): np.zeros(3), (0, 1): np.array([0.0, np.nan, 0.0])}, "(layer 0, head 1): recency[1]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("recency, expected", [m[1:] for m in INVALID_RECENCY], ids=[m[0] for m in INVALID_RECENCY])
+def test_encode_rejects_invalid_recency(recency, expected):
+    data = small_policy()
+    data.recency = recency(data)
+    with pytest.raises(PolicyFormatError) as e:
+        encode_policy(data)
+    assert expected in str(e.value)
 
 
 def test_f16_widening_is_exact_for_special_values():
@@ -348,7 +470,10 @@ MALFORMED = [
     ("short-header", lambda b: b[:127], "128-byte header"),
     ("empty", lambda b: b"", "128-byte header"),
     ("magic", lambda b: b"KVPOLICX" + b[8:], "magic"),
-    ("version", lambda b: put_field(b, "version", 2), "version=2"),
+    ("version", lambda b: put_field(b, "version", 3), "version=3"),
+    ("version-0", lambda b: put_field(b, "version", 0), "version=0"),
+    ("v1-recency-knots", lambda b: put_field(b, "n_recency_knots", 2), "reserved header bytes are not zero"),
+    ("v2-without-knots", lambda b: put_field(b, "version", 2), "n_recency_knots=0 is outside 1..32"),
     ("header-bytes", lambda b: put_field(b, "header_bytes", 256), "header_bytes=256"),
     ("file-bytes-larger", lambda b: put_field(b, "file_bytes", len(b) + 1, fix_crc=False), "file_bytes"),
     ("file-bytes-smaller", lambda b: put_field(b, "file_bytes", len(b) - 1, fix_crc=False), "file_bytes"),
@@ -564,11 +689,12 @@ def parse_both(blob: bytes):
 
 def test_random_mutations_never_crash_or_change_content():
     rng = np.random.default_rng(2024)
-    blobs = [encode_policy(small_policy()), encode_policy(small_policy("f16", hidden=(3, 2), pos=[(3, 0.5)]))]
+    blobs = [encode_policy(small_policy()), encode_policy(small_policy("f16", hidden=(3, 2), pos=[(3, 0.5)])),
+             encode_policy(with_recency(small_policy()))]
     originals = [decode_policy(b) for b in blobs]
     rejected = 0
-    for i in range(2000):
-        which = i % 2
+    for i in range(3000):
+        which = i % 3
         mutated = random_mutation(rng, blobs[which])
         py, cc = parse_both(mutated)
         if mutated == blobs[which]:
@@ -580,18 +706,19 @@ def test_random_mutations_never_crash_or_change_content():
         assert not isinstance(py, str) and not isinstance(cc, str), (py, cc)
         assert_same_data(py, originals[which])
         assert_core_matches(cc, originals[which])
-    assert rejected > 1900
+    assert rejected > 2850
 
 
 def test_checksum_fixed_mutations_agree_between_readers():
     """With the CRC re-stamped, field validation is what stands between a mutation and the scorer; both readers
     must take the same decision, with the same message, and read the same content when they accept."""
     rng = np.random.default_rng(99)
-    blobs = [encode_policy(small_policy()), encode_policy(small_policy("f16", hidden=(3, 2), pos=[(3, 0.5)]))]
+    blobs = [encode_policy(small_policy()), encode_policy(small_policy("f16", hidden=(3, 2), pos=[(3, 0.5)])),
+             encode_policy(with_recency(small_policy()))]
     metadata_starts = [len(b) - 4 - struct.unpack_from("<Q", b, U64_FIELDS["metadata_bytes"])[0] for b in blobs]
     accepted = rejected = 0
-    for i in range(1500):
-        which = i % 2
+    for i in range(2250):
+        which = i % 3
         body = random_mutation(rng, blobs[which][:-4])
         if body[metadata_starts[which] :] != blobs[which][metadata_starts[which] : -4]:
             continue  # JSON syntax is checked by Python only; keep the metadata (and so the length) intact here

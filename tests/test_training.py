@@ -286,7 +286,7 @@ def test_exported_policy_scores_match_the_torch_model(planted_run, synthetic):
     scorer = kvp_cpp.Scorer(kvp_cpp.load_policy(str(out)), kernel="auto", n_threads=1)
     traces = TraceSet(synthetic[0])
     index, cut = traces.prefixes("heldout")[0]
-    inputs, _, _ = trainer.prefix_tensors(index, cut)
+    inputs, _, _, _ = trainer.prefix_tensors(index, cut)
     with torch.no_grad():
         expected = trainer.model(inputs).numpy()  # (L·H, c)
     for slot, layer in enumerate(trainer.layers):
@@ -295,6 +295,54 @@ def test_exported_policy_scores_match_the_torch_model(planted_run, synthetic):
                                     trace.positions)  # fmt: skip
         reference = expected[slot * traces.n_head_kv : (slot + 1) * traces.n_head_kv].T
         np.testing.assert_allclose(scores, reference, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(reference).max())))
+
+
+# --- the recency term ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recency_traces(tmp_path_factory):
+    """Synthetic traces whose importance depends on a token's age alone, peaking at age 32 (exp(−2 (log2 age − 5)²))
+    at every cut: no score of the token itself (the MLP sees its key, value and absolute position) ranks it at every
+    cut, a recency term can."""
+    root = tmp_path_factory.mktemp("recency_traces")
+    write_synthetic_traces(root, seed=5)
+    traces = TraceSet(root)
+    for info in traces.sequences:
+        parts = [np.broadcast_to(np.exp(-2.0 * (np.log2(cut - np.arange(cut)) - 5.0) ** 2),
+                                 (traces.n_layer, traces.n_head_kv, cut)) for cut in info.cuts]  # fmt: skip
+        np.concatenate([part.reshape(-1) for part in parts]).astype("<f4").tofile(
+            os.path.join(root, info.dir, "importance.f32"))
+    return str(root)
+
+
+@pytest.mark.parametrize("knots", [1, 2, 5, 14])
+def test_torch_recency_term_is_the_file_formula(knots):
+    generator = torch.Generator().manual_seed(0)
+    model = rl.AgentStack(4, 3, [2], "relu", np.zeros((4, 3)), np.ones((4, 3)), generator, recency_knots=knots)
+    with torch.no_grad():
+        model.recency.copy_(torch.randn(4, knots, generator=generator))
+    data = pf.random_policy(n_layer=2, n_head_kv=2, head_dim_k=1, head_dim_v=1, n_ctx_train=64, hidden=(2,))
+    data.recency = {(layer, head): model.recency[layer * 2 + head].detach().numpy().copy()
+                    for layer in range(2) for head in range(2)}  # fmt: skip
+    ages = np.array([1, 2, 3, 5, 16, 17, 100, 1000, 9000, 1 << 33], dtype=np.int64)
+    with torch.no_grad():
+        terms = model.recency_term(torch.from_numpy(ages)).numpy()  # (A, T)
+    expected = np.concatenate([pf.recency_terms(data, layer, ages).T for layer in range(2)])
+    np.testing.assert_allclose(terms, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_recency_term_learns_what_no_token_score_can(recency_traces, tmp_path):
+    options = ("--objective", "listwise", "--steps", "150", "--lr", "5e-2")
+    without = run_training(recency_traces, tmp_path / "plain.kvp.bin", *options)
+    with_terms = run_training(recency_traces, tmp_path / "recency.kvp.bin", *options, "--recency-knots", "8")
+    cost = lambda result: result.evaluation["per_head"]["kvp"]["mean_over_budgets"]  # noqa: E731
+    assert cost(with_terms) < 1.03 < 1.15 < cost(without)
+    data = pf.read_policy(tmp_path / "recency.kvp.bin")
+    assert data.n_recency_knots == 8 and data.metadata["hyperparameters"]["recency_knots"] == 8
+    assert pf.read_policy(tmp_path / "plain.kvp.bin").recency == {}
+    for values in data.recency.values():  # ranked ages are 17 … 124: the knot at 32 must be the peak
+        assert values[4] < values[5] > values[6] > values[7]
 
 
 @pytest.fixture
@@ -365,6 +413,25 @@ def test_resume_equals_an_uninterrupted_run(synthetic, tmp_path):
         run_training(synthetic[0], tmp_path / "split.kvp.bin", "--steps", "16", "--seed", "5", "--resume")
 
 
+def test_resume_with_recency_terms_and_from_a_checkpoint_older_than_them(synthetic, tmp_path):
+    steps = ["--steps", "12", "--checkpoint-every", "4", "--recency-knots", "4"]
+    run_training(synthetic[0], tmp_path / "full.kvp.bin", *steps)
+    run_training(synthetic[0], tmp_path / "split.kvp.bin", *steps, "--stop-at", "8")
+    run_training(synthetic[0], tmp_path / "split.kvp.bin", *steps, "--resume")
+    assert (tmp_path / "split.kvp.bin").read_bytes() == (tmp_path / "full.kvp.bin").read_bytes()
+    assert pf.read_policy(tmp_path / "full.kvp.bin").n_recency_knots == 4
+    # a checkpoint written before --recency-knots existed is a run without recency terms
+    plain = ["--steps", "12", "--checkpoint-every", "4"]
+    run_training(synthetic[0], tmp_path / "plain.kvp.bin", *plain)
+    run_training(synthetic[0], tmp_path / "old.kvp.bin", *plain, "--stop-at", "8")
+    checkpoint = str(tmp_path / "old.kvp.bin.ckpt")
+    state = torch.load(checkpoint, weights_only=True)
+    del state["config"]["recency_knots"]
+    torch.save(state, checkpoint)
+    run_training(synthetic[0], tmp_path / "old.kvp.bin", *plain, "--resume")
+    assert (tmp_path / "old.kvp.bin").read_bytes() == (tmp_path / "plain.kvp.bin").read_bytes()
+
+
 def test_pipeline_runs_every_step_on_a_tiny_corpus_and_resumes(tmp_path):
     """training.pipeline end to end on the default model: 5 prose documents of 256 tokens (the 5th held out)."""
     from training import pipeline
@@ -380,6 +447,11 @@ def test_pipeline_runs_every_step_on_a_tiny_corpus_and_resumes(tmp_path):
     installed = (tmp_path / "models" / "tiny.kvp.bin").read_bytes()
     assert installed == (out / "policy.kvp.bin").read_bytes()
     assert pipeline.same_policy(str(out / "policy.kvp.bin"), str(out / "policy.from_onnx.kvp.bin"))
+    data = pf.read_policy(out / "policy.kvp.bin")
+    assert data.n_recency_knots == 14  # the shipped recipe's recency terms, through the ONNX round trip too
+    data.recency = {key: values + 1.0 for key, values in data.recency.items()}
+    pf.write_policy(tmp_path / "other.kvp.bin", data)
+    assert not pipeline.same_policy(str(out / "policy.kvp.bin"), str(tmp_path / "other.kvp.bin"))
     trained = record["seconds"]["train"]
     assert pipeline.main(args) == 0  # a rerun skips the finished steps
     assert json.loads((out / "pipeline.json").read_text())["seconds"]["train"] == trained

@@ -85,13 +85,17 @@ def _softmax(scores: np.ndarray) -> np.ndarray:
 
 
 def policy_score_fn(policy: pf.PolicyData) -> Callable[[LayerTrace], np.ndarray]:
-    """(H, c) scores of a policy by the runtime's scorer, on exactly the bytes a kvp.bin of it holds."""
+    """(H, c) scores of a policy by the runtime's scorer, on exactly the bytes a kvp.bin of it holds, plus its
+    recency term at the prefix's end (what the evictor ranks by when the cache holds tokens 0 … c−1)."""
     scorer = kvp_cpp.Scorer(kvp_cpp.parse_policy(pf.encode_policy(policy)), n_threads=1)
 
     def score(trace: LayerTrace) -> np.ndarray:
         k = np.ascontiguousarray(trace.k.transpose(1, 0, 2))
         v = np.ascontiguousarray(trace.v.transpose(1, 0, 2))
-        return scorer.score_layer(trace.layer, k, v, trace.positions).T
+        scores = scorer.score_layer(trace.layer, k, v, trace.positions).T
+        if policy.recency:
+            scores = (scores + pf.recency_terms(policy, trace.layer, trace.cut - trace.positions).T).astype(np.float32)
+        return scores
 
     return score
 

@@ -26,6 +26,7 @@ __all__ = [
     "CONTRACT_VERSION",
     "HEADER_KEY",
     "METADATA_KEY",
+    "RECENCY_KEY",
     "TOKEN_DIM",
     "header_fields",
     "scored_layers",
@@ -45,6 +46,9 @@ IR_VERSION = 8  # the IR version that introduced opset 17; newer ones would lock
 CONTRACT_VERSION = 1
 HEADER_KEY = "kvp.header"
 METADATA_KEY = "kvp.metadata"
+# A kvp.bin's recency terms are added when the evictor ranks, from each token's age at that moment, so they are not
+# part of the scoring graph; they travel beside it: {"knots": K, "values": [S][H][K]}, absent without them.
+RECENCY_KEY = "kvp.recency"
 TOKEN_DIM = "n_tokens"
 
 # Scalars of the GELU (tanh form) subgraph: 0.5 · x · (1 + tanh(sqrt(2/π) · (x + 0.044715 · x³))).
@@ -202,13 +206,15 @@ def policy_to_onnx(data: pf.PolicyData) -> onnx.ModelProto:
         producer_name="kvp-cpp",
         doc_string="KV Policy eviction scorer; contract in kvp-cpp docs/onnx.md",
     )
-    helper.set_model_props(
-        model,
-        {
-            HEADER_KEY: json.dumps(header_fields(data), ensure_ascii=False),
-            METADATA_KEY: json.dumps(data.metadata, ensure_ascii=False, allow_nan=False),
-        },
-    )
+    props = {
+        HEADER_KEY: json.dumps(header_fields(data), ensure_ascii=False),
+        METADATA_KEY: json.dumps(data.metadata, ensure_ascii=False, allow_nan=False),
+    }
+    if data.recency:
+        values = [[[float(x) for x in data.recency[layer, head]] for head in range(data.n_head_kv)]
+                  for layer in scored_layers(data)]  # fmt: skip
+        props[RECENCY_KEY] = json.dumps({"knots": data.n_recency_knots, "values": values})
+    helper.set_model_props(model, props)
     return model
 
 

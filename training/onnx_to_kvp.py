@@ -85,7 +85,26 @@ def _policy_skeleton(model: onnx.ModelProto) -> pf.PolicyData:
                   f"{{'kind': one of {pf.POS_FEATURE_KINDS}, 'a': number}}")
         features.append((pf.POS_FEATURE_KINDS.index(feature["kind"]), float(feature["a"])))
     fields = {name: header[name] for name in _HEADER_FIELDS if name not in ("contract_version", "pos_features")}
-    return pf.PolicyData(**fields, pos_features=features, metadata=metadata)
+    data = pf.PolicyData(**fields, pos_features=features, metadata=metadata)
+    if layout.RECENCY_KEY in props:
+        data.recency = _recency(_json_prop(props, layout.RECENCY_KEY), data)
+    return data
+
+
+def _recency(recency: dict, data: pf.PolicyData) -> dict:
+    """The recency terms stored under RECENCY_KEY, {"knots": K, "values": [S][H][K]}, keyed (layer, head)."""
+    knots, values = recency.get("knots"), recency.get("values")
+    layers = layout.scored_layers(data)
+    shape_ok = isinstance(knots, int) and isinstance(values, list) and len(values) == len(layers) and all(
+        isinstance(heads, list) and len(heads) == data.n_head_kv and all(
+            isinstance(row, list) and len(row) == knots and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in row) for row in heads)
+        for heads in values)  # fmt: skip
+    if not shape_ok:
+        _fail(f"metadata_props '{layout.RECENCY_KEY}' is not {{'knots': K, 'values': [{len(layers)} scored layers]"
+              f"[{data.n_head_kv} heads][K numbers]}}")
+    return {(layer, head): np.array(values[s][head], np.float32)
+            for s, layer in enumerate(layers) for head in range(data.n_head_kv)}  # fmt: skip
 
 
 def _describe_value(value: onnx.ValueInfoProto) -> str:

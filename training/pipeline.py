@@ -4,6 +4,9 @@
     python -m training.pipeline --out runs/x -m other.gguf --objective rl --steps 1200
     python -m training.pipeline --out runs/gemma3 -m gemma-3-270m-q4_k_m.gguf   # agents for its 3 global layers
 
+The shipped SmolLM2 policy has learned recency terms (--recency-knots 14, the default here); the shipped Gemma 3
+policy has none (--recency-knots 0).
+
 A model with sliding-window layers (Gemma 3) gets agents only for the layers that attend to the whole context, and
 its policy ranks only tokens older than the window, which the engine always keeps (docs/traces.md).
 
@@ -49,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     training.add_argument("--hidden", default="32")
     training.add_argument("--steps", type=int, default=1000)
     training.add_argument("--seed", type=int, default=0)
+    training.add_argument("--recency-knots", type=int, default=14,
+                          help="learned recency terms per agent (training.train --recency-knots); 0 for none")
     parser.add_argument("-t", "--threads", type=int, default=None, help="llama.cpp threads while capturing")
     parser.add_argument("--install", default=None, help="copy the trained policy here at the end")
     return parser.parse_args(argv)
@@ -59,9 +64,11 @@ def same_policy(path_a: str, path_b: str) -> bool:
     a, b = pf.read_policy(path_a), pf.read_policy(path_b)
 
     def shape(p: pf.PolicyData) -> tuple:
-        return p.identity(), p.n_sink, p.n_recent, list(p.hidden), p.activation, sorted(p.agents)
+        return p.identity(), p.n_sink, p.n_recent, list(p.hidden), p.activation, sorted(p.agents), sorted(p.recency)
 
     if shape(a) != shape(b):
+        return False
+    if not all(np.array_equal(values, b.recency[key]) for key, values in a.recency.items()):
         return False
     for key, agent in a.agents.items():
         other = b.agents[key]
@@ -102,7 +109,8 @@ def run(args: argparse.Namespace) -> dict:
     if not os.path.exists(policy):
         step("train", lambda: train_step.main([
             "--traces", traces, "--out", policy, "--objective", args.objective, "--hidden", args.hidden,
-            "--steps", str(args.steps), "--seed", str(args.seed), "--resume" if os.path.exists(policy + ".ckpt") else
+            "--steps", str(args.steps), "--seed", str(args.seed), "--recency-knots", str(args.recency_knots),
+            "--resume" if os.path.exists(policy + ".ckpt") else
             "--quiet", "--eval-json", os.path.join(args.out, "heldout.json"),
             "--eval-plot", os.path.join(args.out, "heldout.png")]))
 

@@ -62,6 +62,7 @@ class AgentStack(nn.Module):
         shift: np.ndarray,
         scale: np.ndarray,
         generator: torch.Generator,
+        recency_knots: int = 0,
     ):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -78,6 +79,9 @@ class AgentStack(nn.Module):
             bound = 1.0 / math.sqrt(n_in)  # nn.Linear's default initialisation, drawn for every agent
             self.weights.append(nn.Parameter((torch.rand(n_agents, n_in, n_out, generator=generator) * 2 - 1) * bound))
             self.biases.append(nn.Parameter((torch.rand(n_agents, 1, n_out, generator=generator) * 2 - 1) * bound))
+        # the learned recency term h(age) of every agent at ages 2^0 … 2^(K−1) (policy_file.recency_terms); zeros,
+        # drawn from no generator, so a run without it keeps its random streams and bytes
+        self.recency = nn.Parameter(torch.zeros(n_agents, recency_knots)) if recency_knots else None
 
     @property
     def n_agents(self) -> int:
@@ -93,6 +97,15 @@ class AgentStack(nn.Module):
             if j < last:
                 h = act(h)
         return h.squeeze(-1)
+
+    def recency_term(self, ages: torch.Tensor) -> torch.Tensor:
+        """(A, T) recency terms for token ages (T,) ≥ 1: policy_file.recency_terms' interpolation, in torch."""
+        knots = self.recency.shape[1]
+        u = torch.log2(ages.to(torch.float64).clamp_min(1.0)).clamp(max=knots - 1)
+        j = u.floor().clamp(max=max(knots - 2, 0)).long()
+        t = (u - j).to(self.recency.dtype)
+        upper = (j + 1).clamp(max=knots - 1)
+        return (1 - t) * self.recency[:, j] + t * self.recency[:, upper]
 
     def export(self, agent: int) -> pf.Agent:
         """Agent `agent` in the layout of policy_file (weights (n_out, n_in), float32)."""

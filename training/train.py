@@ -44,8 +44,10 @@ __all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "train", 
 # Arguments that define a run: a checkpoint only resumes a run with the same values.
 RUN_KEYS = (
     "objective", "hidden", "activation", "steps", "seed", "lr", "min_lr", "warmup", "weight_decay", "clip",
-    "samples", "prefixes_per_step", "layers", "n_sink", "n_recent", "stat_tokens", "sources",
+    "samples", "prefixes_per_step", "layers", "n_sink", "n_recent", "stat_tokens", "sources", "recency_knots",
 )  # fmt: skip
+# Run keys added after some checkpoints were written, with the value those runs had.
+NEWER_RUN_KEYS = {"sources": None, "recency_knots": 0}
 
 
 OBJECTIVES = ("rl", "supervised", "listwise")
@@ -84,6 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n-recent", type=int,
                         help="last tokens never ranked (and the policy's default); default 16, or the model's "
                              "sliding window, which the engine always keeps")
+    parser.add_argument("--recency-knots", type=int, default=0,
+                        help="learn a recency term per agent, added to its score when the evictor ranks: K values at "
+                             "token ages 1, 2, 4 … 2^(K−1), interpolated in log2(age) (docs/kvp-bin-format.md); "
+                             "0 (default): none, scores depend on the token alone")
     parser.add_argument("--stat-tokens", type=int, default=65536,
                         help="training tokens (evenly strided) that the input normalisation is computed from")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it)")
@@ -104,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.checkpoint = args.out + ".ckpt"
     if args.objective == "rl" and args.samples < 2:
         parser.error("--samples must be at least 2 (RLOO)")
+    if not 0 <= args.recency_knots <= pf.MAX_RECENCY_KNOTS:
+        parser.error(f"--recency-knots must be within 0..{pf.MAX_RECENCY_KNOTS}")
     if args.steps < 1 or args.prefixes_per_step < 1 or args.checkpoint_every < 1:
         parser.error("--steps, --prefixes-per-step and --checkpoint-every must be positive")
     return args
@@ -197,7 +205,7 @@ class Trainer:
         shift, scale = statistics
         self.model = rl.AgentStack(
             len(self.layers) * traces.n_head_kv, shift.shape[1], args.hidden, args.activation, shift, scale,
-            self.generator,
+            self.generator, args.recency_knots,
         )  # fmt: skip
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -214,19 +222,22 @@ class Trainer:
         return chosen
 
     def prefix_tensors(self, index: int, cut: int):
-        """Agent inputs (A, c, D) and the importance (A, n) of the rankable tokens of one prefix."""
+        """Agent inputs (A, c, D), the rankable slice, the importance (A, n) and the ages (n,) of its tokens."""
         layer_traces = self.traces.read_prefix(index, cut, self.layers)
         features = pf.pos_features(self.features, layer_traces[0].positions)
         inputs = torch.from_numpy(rl.agent_inputs(layer_traces, features))
         importance = np.stack([t.importance for t in layer_traces]).reshape(inputs.shape[0], cut)
         rankable = slice(self.args.n_sink, cut - self.args.n_recent)
-        return inputs, rankable, torch.from_numpy(importance[:, rankable])
+        ages = torch.from_numpy(cut - layer_traces[0].positions[rankable])
+        return inputs, rankable, torch.from_numpy(importance[:, rankable]), ages
 
     def train_step(self) -> StepStats:
         log_probs, rewards, greedy, supervised_losses = [], [], [], []
         for index, cut in self.sample_prefixes():
-            inputs, rankable, importance = self.prefix_tensors(index, cut)
+            inputs, rankable, importance, ages = self.prefix_tensors(index, cut)
             scores = self.model(inputs)[:, rankable]
+            if self.model.recency is not None:
+                scores = scores + self.model.recency_term(ages)
             with torch.no_grad():
                 by_score = torch.sort(scores, dim=-1, descending=True, stable=True).indices
                 greedy.append(rl.normalised_rewards(importance, by_score).mean())
@@ -266,8 +277,8 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         expected = run_config(self.args)
-        different = {key: (state["config"].get(key), value) for key, value in expected.items()
-                     if state["config"].get(key) != value}  # fmt: skip
+        saved = {**NEWER_RUN_KEYS, **state["config"]}
+        different = {key: (saved.get(key), value) for key, value in expected.items() if saved.get(key) != value}
         if different:
             raise ValueError(f"the checkpoint is of another run (checkpoint value, this run's): {different}")
         self.model.load_state_dict(state["model"])
@@ -297,6 +308,9 @@ class Trainer:
             agents={(layer, head): self.model.export(slot * n_head + head)
                     for slot, layer in enumerate(self.layers) for head in range(n_head)},  # fmt: skip
             metadata=metadata,
+            recency={} if self.model.recency is None else
+                    {(layer, head): self.model.recency[slot * n_head + head].detach().numpy().copy()
+                     for slot, layer in enumerate(self.layers) for head in range(n_head)},  # fmt: skip
         )
 
 

@@ -175,6 +175,8 @@ private:
     bool wants(const ggml_tensor* t, char* kind, int* layer) const;
     void on_tensor(const ggml_tensor* t, char kind, int layer);
     void evict(size_t n_evict);
+    // What the evictor ranks: the ledger after the policy's refresh_scores, plus its recency terms if it has any.
+    const Ledger& ranking_ledger();
     void compact();
     void remove_cells(const std::vector<int64_t>& sorted_positions);
     void discard_from(size_t ledger_index);
@@ -202,6 +204,7 @@ private:
     // the policy's MLP when llama.cpp runs it in the graph (ScoringPath)
     std::unique_ptr<GraphScorer> graph_scorer_;
     Ledger ledger_;
+    Ledger ranking_;  // the ledger plus the policy's recency terms, rebuilt for every eviction round
     std::vector<uint8_t> capture_layer_;    // per model layer: CaptureFlags; empty if nothing is captured
     uint32_t n_head_ = 0;                   // query heads
     std::vector<LayerCapture> captures_;    // per model layer

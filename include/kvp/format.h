@@ -1,5 +1,5 @@
 // kvp.bin policy file: in-memory model and loader. The byte layout is specified in docs/kvp-bin-format.md:
-//   header (128 B) | position features | layer flags | agents | metadata JSON | CRC-32
+//   header (128 B) | position features | layer flags | agents | recency terms (version 2) | metadata JSON | CRC-32
 #pragma once
 
 #include <cstddef>
@@ -11,12 +11,13 @@
 namespace kvp {
 
 inline constexpr char kPolicyMagic[8] = {'K', 'V', 'P', 'O', 'L', 'I', 'C', 'Y'};
-inline constexpr uint32_t kPolicyVersion = 1;
+inline constexpr uint32_t kPolicyVersion = 2;  // the newest; version 1 (no recency terms) is read too
 inline constexpr uint32_t kHeaderBytes = 128;
 inline constexpr uint32_t kMaxPosFeatures = 16;
 inline constexpr uint32_t kMaxDense = 4;
 inline constexpr uint32_t kMaxHidden = 4096;
 inline constexpr uint64_t kMaxMetadataBytes = 16u << 20;
+inline constexpr uint32_t kMaxRecencyKnots = 32;
 
 // Thrown for every malformed, truncated, inconsistent or mismatched policy file; the message names the problem.
 class FormatError : public std::runtime_error {
@@ -59,6 +60,7 @@ struct Agent {
     std::vector<float> shift;  // D
     std::vector<float> scale;  // D
     std::vector<DenseLayer> dense;
+    std::vector<float> recency;  // the recency term's n_recency_knots values (recency_term); empty without one
 };
 
 struct Policy {
@@ -69,6 +71,7 @@ struct Policy {
     WeightDtype weight_dtype = WeightDtype::f32;
     uint32_t n_sink = 4;
     uint32_t n_recent = 16;
+    uint32_t n_recency_knots = 0;    // 0: no recency term (a version 1 file)
     std::vector<bool> layer_scored;  // n_layer
     // n_layer * n_head_kv entries, index layer * n_head_kv + head; empty Agent (no dense layers) for unscored layers.
     std::vector<Agent> agents;
@@ -96,5 +99,10 @@ uint32_t crc32_ieee(const uint8_t* data, size_t size, uint32_t crc = 0);
 
 // Position feature values for one original position, written to out[0 .. pos_features.size()).
 void compute_pos_features(const std::vector<PosFeature>& features, int64_t position, float* out);
+
+// An agent's recency term for a token of `age` >= 1 (the next position to be written minus the token's original
+// position): linear in log2(age) between the knots at ages 2^0 .. 2^(n-1), constant beyond the last. The evictor
+// ranks by the MLP score plus this. Computed in double precision (docs/kvp-bin-format.md, "Recency terms").
+double recency_term(const float* knots, uint32_t n_knots, int64_t age);
 
 }  // namespace kvp

@@ -67,6 +67,14 @@ public:
     // every ledger entry here; policies that score each token once leave them alone.
     virtual void refresh_scores(Ledger& ledger) { (void)ledger; }
 
+    // Terms that depend on how long ago a token was written (a kvp.bin's learned recency terms), which no score
+    // written once can hold. The evictor ranks a copy of the ledger to which add_recency_terms added them, for a
+    // cache whose next token takes original position `next_position`; the ledger keeps the scores as written.
+    virtual bool has_recency_terms() const { return false; }
+    virtual void add_recency_terms(Ledger& ranking, int64_t next_position) const {
+        (void)ranking, (void)next_position;
+    }
+
     // Tokens that left the cache (evicted, truncated, reset), ascending logical indices: drop any per-token state.
     // After load_state the ledger may hold tokens a policy never saw (its state is not saved); refresh_scores
     // must then keep their existing score rows.

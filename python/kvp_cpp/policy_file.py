@@ -34,10 +34,13 @@ __all__ = [
     "random_policy",
     "smollm2_identity",
     "reference_scores",
+    "recency_terms",
 ]
 
 MAGIC = b"KVPOLICY"
-VERSION = 1
+VERSION = 2  # the newest version; a policy without a recency term is written as version 1
+SUPPORTED_VERSIONS = (1, 2)
+MAX_RECENCY_KNOTS = 32
 HEADER_BYTES = 128
 CHECKSUM_BYTES = 4
 POS_FEATURE_BYTES = 8
@@ -54,13 +57,14 @@ POS_FEATURE_KINDS = ("linear", "log", "sine", "cosine")
 _NUMPY_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2")}
 
 # magic, version, header_bytes, file_bytes, arch, n_layer, n_head_kv, head_dim_k, head_dim_v, n_ctx_train,
-# n_pos_features, n_dense, hidden[3], activation, weight_dtype, n_sink, n_recent, metadata_bytes, reserved
-_HEADER = struct.Struct("<8sIIQ32s7I3I4IQQ")
+# n_pos_features, n_dense, hidden[3], activation, weight_dtype, n_sink, n_recent, metadata_bytes,
+# n_recency_knots (version 2; reserved, zero, in version 1), reserved
+_HEADER = struct.Struct("<8sIIQ32s7I3I4IQII")
 assert _HEADER.size == HEADER_BYTES
 _HEADER_NAMES = (
     "magic", "version", "header_bytes", "file_bytes", "arch", "n_layer", "n_head_kv", "head_dim_k", "head_dim_v",
     "n_ctx_train", "n_pos_features", "n_dense", "hidden0", "hidden1", "hidden2", "activation", "weight_dtype",
-    "n_sink", "n_recent", "metadata_bytes", "reserved",
+    "n_sink", "n_recent", "metadata_bytes", "n_recency_knots", "reserved",
 )  # fmt: skip
 _ARCH_BYTES = 32
 _JSON_WHITESPACE = " \t\n\r"
@@ -112,6 +116,9 @@ class PolicyData:
     layer_scored: list = field(default_factory=list)  # n_layer bools
     agents: dict = field(default_factory=dict)  # (layer, head) -> Agent, for scored layers only
     metadata: dict = field(default_factory=dict)
+    # (layer, head) -> the learned recency term's values at ages 2^0 … 2^(K−1) (recency_terms), for every scored
+    # agent or for none; empty: no recency term (a version 1 file)
+    recency: dict = field(default_factory=dict)
 
     def identity(self) -> dict:
         return {
@@ -126,6 +133,10 @@ class PolicyData:
     @property
     def input_dim(self) -> int:
         return self.head_dim_k + self.head_dim_v + len(self.pos_features)
+
+    @property
+    def n_recency_knots(self) -> int:
+        return len(next(iter(self.recency.values()))) if self.recency else 0
 
 
 # --- checks shared by the writer and the reader ------------------------------------------------------------------
@@ -189,6 +200,17 @@ def _check_pos_feature(index: int, kind: int, a: float) -> None:
         _fail(f"{name}: a is zero for a linear or log feature")
 
 
+def _check_recency_knots(version: int, n_knots: int, reserved: int) -> None:
+    if version == 1:
+        if n_knots != 0 or reserved != 0:
+            _fail("reserved header bytes are not zero")
+        return
+    if not 1 <= n_knots <= MAX_RECENCY_KNOTS:
+        _fail(f"n_recency_knots={n_knots} is outside 1..{MAX_RECENCY_KNOTS}")
+    if reserved != 0:
+        _fail("reserved header bytes are not zero")
+
+
 def _check_finite(values: np.ndarray, layer: int, head: int, what: str) -> None:
     finite = np.isfinite(values.reshape(-1))
     if not finite.all():
@@ -217,7 +239,7 @@ def _dense_shapes(input_dim: int, hidden: Sequence[int]) -> list:
 
 
 def _section_bytes(n_pos_features: int, n_layer: int, metadata_bytes: int) -> int:
-    """Bytes of everything but the agents."""
+    """Bytes of everything but the agents and their recency terms."""
     return HEADER_BYTES + POS_FEATURE_BYTES * n_pos_features + 4 * n_layer + metadata_bytes + CHECKSUM_BYTES
 
 
@@ -300,12 +322,23 @@ def encode_policy(data: PolicyData) -> bytes:
                 values = _as_stored(values, value_dtype, shape, f"{where}: dense {j} {what}")
                 _check_finite(values, layer, head, f"dense {j} {what}")
                 parts.append(values.tobytes())
+    n_knots = data.n_recency_knots
+    if data.recency:
+        if set(data.recency) != expected_keys:
+            _fail("recency terms do not match layer_scored x n_head_kv: every scored agent has one, or none does")
+        _check_recency_knots(2, n_knots, 0)
+        for layer, head in sorted(expected_keys):
+            values = _as_stored(data.recency[layer, head], np.dtype("<f4"), (n_knots,),
+                                f"agent (layer {layer}, head {head}): recency")
+            _check_finite(values, layer, head, "recency")
+            parts.append(values.tobytes())
     parts.append(metadata)
 
     body_bytes = sum(len(p) for p in parts) + HEADER_BYTES
     header = dict(
-        magic=MAGIC, version=VERSION, header_bytes=HEADER_BYTES, file_bytes=body_bytes + CHECKSUM_BYTES,
-        arch=arch_field, hidden0=0, hidden1=0, hidden2=0, metadata_bytes=len(metadata), reserved=0, **fields,
+        magic=MAGIC, version=2 if n_knots else 1, header_bytes=HEADER_BYTES, file_bytes=body_bytes + CHECKSUM_BYTES,
+        arch=arch_field, hidden0=0, hidden1=0, hidden2=0, metadata_bytes=len(metadata), n_recency_knots=n_knots,
+        reserved=0, **fields,
     )  # fmt: skip
     for j, width in enumerate(hidden):
         header[f"hidden{j}"] = width
@@ -340,8 +373,8 @@ def decode_policy(blob: bytes) -> PolicyData:
     h = dict(zip(_HEADER_NAMES, _HEADER.unpack_from(blob)))
     if h["magic"] != MAGIC:
         _fail("bad magic: not a kvp.bin policy file")
-    if h["version"] != VERSION:
-        _fail(f"version={h['version']} is not supported (expected {VERSION})")
+    if h["version"] not in SUPPORTED_VERSIONS:
+        _fail(f"version={h['version']} is not supported (expected 1 or 2)")
     if h["header_bytes"] != HEADER_BYTES:
         _fail(f"header_bytes={h['header_bytes']} (expected {HEADER_BYTES})")
     if h["file_bytes"] != size:
@@ -360,8 +393,8 @@ def decode_policy(blob: bytes) -> PolicyData:
     _check_hidden(n_dense, [h["hidden0"], h["hidden1"], h["hidden2"]])
     hidden = [h[f"hidden{j}"] for j in range(n_dense - 1)]
     _check_metadata_bytes(h["metadata_bytes"])
-    if h["reserved"] != 0:
-        _fail("reserved header bytes are not zero")
+    _check_recency_knots(h["version"], h["n_recency_knots"], h["reserved"])
+    n_knots = h["n_recency_knots"]
 
     n_layer, n_head_kv, n_pos = h["n_layer"], h["n_head_kv"], h["n_pos_features"]
     fixed_bytes = _section_bytes(n_pos, n_layer, h["metadata_bytes"])
@@ -377,7 +410,7 @@ def decode_policy(blob: bytes) -> PolicyData:
     input_dim = h["head_dim_k"] + h["head_dim_v"] + n_pos
     weight_dtype = WEIGHT_DTYPES[h["weight_dtype"]]
     value_dtype = _NUMPY_DTYPES[weight_dtype]
-    total_bytes = fixed_bytes + n_scored * n_head_kv * _agent_bytes(input_dim, hidden, value_dtype.itemsize)
+    total_bytes = fixed_bytes + n_scored * n_head_kv * (_agent_bytes(input_dim, hidden, value_dtype.itemsize) + 4 * n_knots)
     if total_bytes != size:
         _fail(f"file_bytes={size} but the sections require {total_bytes} bytes")
 
@@ -409,6 +442,7 @@ def decode_policy(blob: bytes) -> PolicyData:
                 weights.append(take(value_dtype, n_out * n_in, layer, head, f"dense {j} weight").reshape(n_out, n_in))
                 biases.append(take(value_dtype, n_out, layer, head, f"dense {j} bias"))
             agents[layer, head] = Agent(shift=shift, scale=scale, weights=weights, biases=biases)
+    recency = {key: take(np.dtype("<f4"), n_knots, *key, "recency") for key in agents} if n_knots else {}
 
     metadata = _check_metadata(blob[offset:body_bytes])
     return PolicyData(
@@ -427,6 +461,7 @@ def decode_policy(blob: bytes) -> PolicyData:
         layer_scored=[bool(flag & 1) for flag in flags],
         agents=agents,
         metadata=metadata,
+        recency=recency,
     )
 
 
@@ -513,6 +548,33 @@ def reference_scores(data: PolicyData, layer: int, k: np.ndarray, v: np.ndarray,
                     x = _activate(data.activation, x)
             scores[:, head] = x[:, 0]
     return scores
+
+
+def recency_terms(data: PolicyData, layer: int, ages: np.ndarray) -> np.ndarray:
+    """float64 recency terms (T, H) of one layer for token ages (T,) ≥ 1; zeros for a policy without them.
+
+    A token's age is the next position to be written minus its original position, so the newest cached token has
+    age 1. With K knots h_0 … h_(K−1) at ages 2^0 … 2^(K−1), u = clamp(log2(age), 0, K−1), j = min(floor(u), K−2),
+    t = u − j: the term is (1 − t)·h_j + t·h_(j+1), linear in log2(age) between knots and constant beyond the last
+    (h_0 when K = 1). The evictor ranks by the agent's MLP score plus this term.
+    """
+    if not 0 <= layer < data.n_layer or not data.layer_scored[layer]:
+        raise ValueError(f"layer {layer} has no agents")
+    ages = np.asarray(ages, dtype=np.int64).reshape(-1)
+    if (ages < 1).any():
+        raise ValueError("token ages must be at least 1")
+    out = np.zeros((ages.shape[0], data.n_head_kv), dtype=np.float64)
+    knots = data.n_recency_knots
+    if not knots:
+        return out
+    u = np.minimum(np.log2(ages.astype(np.float64)), knots - 1)
+    j = np.minimum(np.floor(u), max(knots - 2, 0)).astype(np.int64)
+    t = u - j
+    upper = np.minimum(j + 1, knots - 1)
+    for head in range(data.n_head_kv):
+        h = np.asarray(data.recency[layer, head], dtype=np.float64)
+        out[:, head] = (1.0 - t) * h[j] + t * h[upper]
+    return out
 
 
 def smollm2_identity() -> dict:

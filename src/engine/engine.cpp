@@ -444,11 +444,18 @@ void Engine::remove_cells(const std::vector<int64_t>& sorted_positions) {
     }
 }
 
+const Ledger& Engine::ranking_ledger() {
+    policy_->refresh_scores(ledger_);
+    if (!policy_->has_recency_terms()) return ledger_;
+    ranking_ = ledger_;
+    policy_->add_recency_terms(ranking_, next_logical_);  // original positions are logical indices
+    return ranking_;
+}
+
 void Engine::evict(size_t n_evict) {
     if (ledger_.n_holders()) return evict_per_head(n_evict);
     const auto start = Clock::now();
-    policy_->refresh_scores(ledger_);
-    const std::vector<size_t> victims = select_victims(ledger_, config_.protection, n_evict, config_.combine);
+    const std::vector<size_t> victims = select_victims(ranking_ledger(), config_.protection, n_evict, config_.combine);
     std::vector<int64_t> positions, logical;
     positions.reserve(victims.size());
     logical.reserve(victims.size());
@@ -466,9 +473,8 @@ void Engine::evict(size_t n_evict) {
 
 void Engine::evict_per_head(size_t n_evict) {
     const auto start = Clock::now();
-    policy_->refresh_scores(ledger_);
     const std::vector<std::vector<size_t>> victims =
-        select_victims_per_head(ledger_, config_.protection, n_evict, *config_.head_consensus, head_columns_);
+        select_victims_per_head(ranking_ledger(), config_.protection, n_evict, *config_.head_consensus, head_columns_);
     std::vector<int32_t> positions;
     positions.reserve(victims.size() * n_evict);
     for (const auto& head : victims)

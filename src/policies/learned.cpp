@@ -39,6 +39,23 @@ public:
         store_scores(layer, scratch_.data(), n, rows, row_stride);
     }
 
+    bool has_recency_terms() const override { return file_->n_recency_knots > 0; }
+
+    void add_recency_terms(Ledger& ranking, int64_t next_position) const override {
+        const uint32_t knots = file_->n_recency_knots;
+        if (knots == 0) return;
+        for (size_t i = 0; i < ranking.size(); ++i) {
+            const int64_t age = next_position - ranking.original_pos(i);
+            float* row = ranking.scores(i);
+            for (size_t slot = 0; slot < layers_.size(); ++slot)
+                for (int h = 0; h < n_head_; ++h) {
+                    float& score = row[slot * size_t(n_head_) + size_t(h)];
+                    const double term = recency_term(file_->agent(uint32_t(layers_[slot]), uint32_t(h)).recency.data(), knots, age);
+                    score = float(double(score) + term);
+                }
+        }
+    }
+
     const Policy* graph_scorer() const override { return file_.get(); }
 
     void store_graph_scores(int layer, const float* scores, int64_t n, float* rows, size_t row_stride) override {

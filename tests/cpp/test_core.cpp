@@ -98,7 +98,7 @@ std::vector<uint8_t> encode(const kvp::Policy& policy) {
     const kvp::ModelIdentity& id = policy.identity;
     ByteWriter w;
     w.raw(kvp::kPolicyMagic, sizeof kvp::kPolicyMagic);
-    w.u32(kvp::kPolicyVersion);
+    w.u32(policy.n_recency_knots ? 2 : 1);
     w.u32(kvp::kHeaderBytes);
     w.u64(0);  // file_bytes, stamped below
     char arch[32] = {};
@@ -113,7 +113,8 @@ std::vector<uint8_t> encode(const kvp::Policy& policy) {
     w.u32(policy.n_sink);
     w.u32(policy.n_recent);
     w.u64(policy.metadata_json.size());
-    w.u64(0);  // reserved
+    w.u32(policy.n_recency_knots);
+    w.u32(0);  // reserved
     for (const kvp::PosFeature& feature : policy.pos_features) {
         w.u32(uint32_t(feature.kind));
         w.f32(feature.a);
@@ -132,6 +133,9 @@ std::vector<uint8_t> encode(const kvp::Policy& policy) {
             }
         }
     }
+    for (uint32_t layer = 0; layer < id.n_layer; ++layer)
+        for (uint32_t head = 0; head < id.n_head_kv && policy.layer_scored[layer]; ++head)
+            for (float v : policy.agent(layer, head).recency) w.f32(v);
     w.raw(policy.metadata_json.data(), policy.metadata_json.size());
     const uint64_t file_bytes = w.bytes.size() + 4;
     for (int i = 0; i < 8; ++i) w.bytes[16 + i] = uint8_t(file_bytes >> (8 * i));
@@ -263,6 +267,42 @@ void test_scorer(const std::shared_ptr<const kvp::Policy>& policy, uint32_t seed
         [&] { scorer.score_layer(0, wrong_dim, v.view, positions.data(), out.data()); }));
     CHECK(throws<std::invalid_argument>(
         [&] { scorer.score_layer(int(id.n_layer), k.view, v.view, positions.data(), out.data()); }));
+}
+
+// The learned policy's recency terms against the spec's formula, written out again: for every scored (layer, head)
+// column of a ledger of tokens at scattered positions, score + h(next_position - position).
+void test_recency_terms(const std::shared_ptr<const kvp::Policy>& policy) {
+    const kvp::ModelIdentity& id = policy->identity;
+    const auto learned = kvp::make_learned_policy(policy, kvp::PolicyOptions{});
+    CHECK(learned->has_recency_terms() == (policy->n_recency_knots > 0));
+    if (!learned->has_recency_terms()) return;
+    const std::vector<int64_t> positions = {0, 1, 2, 3, 6, 100, 1000, 5000, 9998};
+    const int64_t next_position = 9999;
+    kvp::Ledger ledger(learned->n_score_columns());
+    for (size_t i = 0; i < positions.size(); ++i) {
+        ledger.append(positions[i], positions[i], int64_t(i));
+        for (int c = 0; c < ledger.n_columns(); ++c) ledger.scores(i)[c] = float(0.25 * double(c) - double(i));
+    }
+    kvp::Ledger ranking = ledger;
+    learned->add_recency_terms(ranking, next_position);
+    const double last = double(policy->n_recency_knots - 1);
+    for (size_t i = 0; i < positions.size(); ++i) {
+        const double u = std::min(std::log2(double(next_position - positions[i])), last);
+        int column = 0;
+        for (uint32_t layer = 0; layer < id.n_layer; ++layer) {
+            if (!policy->layer_scored[layer]) continue;
+            for (uint32_t h = 0; h < id.n_head_kv; ++h, ++column) {
+                const std::vector<float>& knots = policy->agent(layer, h).recency;
+                double term = knots[0];
+                if (knots.size() > 1) {
+                    const size_t j = std::min(size_t(std::floor(u)), knots.size() - 2);
+                    term = knots[j] + (u - double(j)) * (double(knots[j + 1]) - knots[j]);
+                }
+                const double expected = double(ledger.scores(i)[column]) + term;
+                CHECK(std::fabs(ranking.scores(i)[column] - expected) <= 1e-6 * std::max(1.0, std::fabs(expected)));
+            }
+        }
+    }
 }
 
 // --- evictor on hand-made ledgers --------------------------------------------------------------------------------
@@ -640,6 +680,7 @@ int main(int argc, char** argv) {
             const auto policy = std::make_shared<const kvp::Policy>(kvp::load_policy(argv[i]));
             test_format_round_trip(argv[i], file, *policy);
             test_scorer(policy, uint32_t(i));
+            test_recency_terms(policy);
         }
         test_evictor();
         test_evictor_per_head();
