@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,8 @@ inline llama_model* load_model_or_die(const std::string& path, int n_gpu_layers)
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = n_gpu_layers;
+    // GCC-built AMX kernels of this llama.cpp raise SIGILL (python/kvp_cpp/_amx.py)
+    if (std::strstr(llama_print_system_info(), "AMX_INT8 = 1")) mp.use_extra_bufts = false;
     llama_model* model = llama_model_load_from_file(path.c_str(), mp);
     if (!model) {
         std::fprintf(stderr, "cannot load %s\n", path.c_str());

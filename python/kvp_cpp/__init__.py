@@ -12,6 +12,10 @@ _select_library()
 # loading a second one.
 import llama_cpp as _llama_cpp  # noqa: F401,E402  (import order matters)
 
+from ._amx import keep_models_off_amx as _keep_models_off_amx
+
+_keep_models_off_amx(_llama_cpp)
+
 from . import _core
 from ._build_check import check_llama_cpp_build as _check_llama_cpp_build
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -13,8 +14,17 @@ namespace kvp::bench {
 
 // --- model ----------------------------------------------------------------------------------------------------
 
+// The pinned llama.cpp's AMX kernels raise SIGILL when GCC built them; they run only from the extra buffer types,
+// so a build that has them loads without those (python/kvp_cpp/_amx.py says why; KVP_CPP_ALLOW_AMX=1 keeps them).
+static bool keep_off_amx() {
+    const char* allow = std::getenv("KVP_CPP_ALLOW_AMX");
+    if (allow && std::strcmp(allow, "1") == 0) return false;
+    return std::strstr(llama_print_system_info(), "AMX_INT8 = 1") != nullptr;
+}
+
 Model::Model(const std::string& path) {
     llama_model_params params = llama_model_default_params();
+    if (keep_off_amx()) params.use_extra_bufts = false;
     model_ = llama_model_load_from_file(path.c_str(), params);
     if (!model_) throw std::runtime_error("cannot load the model " + path);
     vocab_ = llama_model_get_vocab(model_);
