@@ -472,6 +472,31 @@ def test_plot_draws_several_runs_together_and_refuses_other_models(sweep, tmp_pa
         plot.merge_results([document, other])
 
 
+def test_plot_legend_lists_series_of_any_panel_in_one_colour_each():
+    """A series drawn in only one panel (a per-head run at one length) gets a legend entry, and every series keeps
+    its colour from panel to panel, also when the panels hold different sets of series."""
+    pytest.importorskip("matplotlib")
+    plt = plot._pyplot()
+    rows = [{"policy": "full", "budget": None}, {"policy": "knorm", "budget": 128},
+            {"policy": "kvp:a.kvp.bin", "budget": 128}, {"policy": "kvp:a.kvp.bin (per head)", "budget": 128}]
+    colors = plot._colors(plt, rows)
+    assert set(colors) == {"knorm", "kvp:a.kvp.bin", "kvp:a.kvp.bin (per head)"}
+    assert len(set(colors.values())) == 3
+    figure, axes = plot._grid(plt, 2)
+    plot._draw_panel(axes[0], {"full": [(None, 20.0, 0.0)], "kvp:a.kvp.bin": [(128, 10.0, 1.0), (256, 12.0, 1.0)]},
+                     {}, colors)
+    plot._draw_panel(axes[1], {"knorm": [(128, 1.0, 0.5), (256, 2.0, 0.5)],
+                               "kvp:a.kvp.bin (per head)": [(128, 15.0, 1.0), (256, 16.0, 1.0)],
+                               "kvp:a.kvp.bin": [(128, 9.0, 1.0), (256, 11.0, 1.0)]}, {}, colors)
+    plot._legend_outside(figure, axes)
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert legend == ["full", "kvp:a", "knorm", "kvp:a (per head)"]
+    line_colors = [{line.get_label(): line.get_color() for line in ax.get_lines()} for ax in axes]
+    assert line_colors[0]["kvp:a"] == line_colors[1]["kvp:a"] == colors["kvp:a.kvp.bin"]
+    assert line_colors[1]["kvp:a (per head)"] == colors["kvp:a.kvp.bin (per head)"]
+    plt.close(figure)
+
+
 def test_per_head_mode_needs_the_patched_library(monkeypatch, tmp_path, model_path, tasks_file):
     """The binary on llama-cpp-python's own library refuses --kv-modes per_head before any work, and the launcher
     names the build command when the patched library is missing."""

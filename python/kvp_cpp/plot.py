@@ -68,8 +68,8 @@ def _grid(plt, n_panels: int, width: float = 4.2, height: float = 3.2):
     return figure, flat[:n_panels]
 
 
-def _draw_panel(ax, series: Dict[str, List[tuple]], attention: Dict[str, bool], transform=lambda y: y,
-                with_errors: bool = False) -> None:
+def _draw_panel(ax, series: Dict[str, List[tuple]], attention: Dict[str, bool], colors: Dict[str, str],
+                transform=lambda y: y, with_errors: bool = False) -> None:
     """series: policy -> [(budget or None, score, stderr)]; budget None is the full cache."""
     budgets = sorted({p[0] for points in series.values() for p in points if p[0] is not None})
     for policy, points in series.items():
@@ -85,9 +85,10 @@ def _draw_panel(ax, series: Dict[str, List[tuple]], attention: Dict[str, bool], 
         if with_errors:
             errors = [abs(transform(p[1] + p[2]) - transform(p[1])) for p in points]
             ax.errorbar(xs, ys, yerr=errors, linestyle=style, linewidth=width, marker="o", markersize=3, capsize=2,
-                        label=short_label(policy))
+                        color=colors.get(policy), label=short_label(policy))
         else:
-            ax.plot(xs, ys, linestyle=style, linewidth=width, marker="o", markersize=3, label=short_label(policy))
+            ax.plot(xs, ys, linestyle=style, linewidth=width, marker="o", markersize=3, color=colors.get(policy),
+                    label=short_label(policy))
     ax.set_xscale("log", base=2)
     if budgets:
         ax.set_xticks(budgets, [str(b) for b in budgets])
@@ -96,10 +97,22 @@ def _draw_panel(ax, series: Dict[str, List[tuple]], attention: Dict[str, bool], 
     ax.grid(True, alpha=0.3)
 
 
-def _legend_outside(figure, ax) -> None:
-    """One legend for the figure, right of the panels, so that it never hides a line."""
-    handles, labels = ax.get_legend_handles_labels()
-    figure.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+def _legend_outside(figure, axes) -> None:
+    """One legend for the figure, right of the panels, so that it never hides a line; a series drawn in only some
+    panels (a per-head run of one length, say) is listed too."""
+    entries: Dict[str, object] = collections.OrderedDict()
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    figure.legend(list(entries.values()), list(entries.keys()), loc="center left", bbox_to_anchor=(1.0, 0.5),
+                  fontsize=8, frameon=False)
+
+
+def _colors(plt, rows: Sequence[dict]) -> Dict[str, str]:
+    """One colour per series for every panel of a figure, whichever panels the series is in."""
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    labels = collections.OrderedDict.fromkeys(r["policy"] for r in rows if r["budget"] is not None)
+    return {label: cycle[i % len(cycle)] for i, label in enumerate(labels)}
 
 
 def _series(rows: Sequence[dict]) -> Dict[str, List[tuple]]:
@@ -130,6 +143,7 @@ def plot(document: dict, out_dir: str, stem: str) -> List[str]:
     rows = [dict(r, policy=r["policy"] + PER_HEAD_SUFFIX) if r.get("kv_mode") == "per_head" else r
             for r in document["results"]]
     attention.update({label + PER_HEAD_SUFFIX: based for label, based in list(attention.items())})
+    colors = _colors(plt, rows)
     task_rows = [r for r in rows if r["metric"] != PERPLEXITY_METRIC]
     ppl_rows = [r for r in rows if r["metric"] == PERPLEXITY_METRIC]
     os.makedirs(out_dir, exist_ok=True)
@@ -154,10 +168,10 @@ def plot(document: dict, out_dir: str, stem: str) -> List[str]:
         figure, axes = _grid(plt, len(panels))
         for ax, (variant, length) in zip(axes, panels):
             members = [r for r in task_rows if (variant_of(r), r["length"]) == (variant, length)]
-            _draw_panel(ax, _series(_mean_over_tasks(members)), attention)
+            _draw_panel(ax, _series(_mean_over_tasks(members)), attention, colors)
             ax.set_title(f"mean over tasks, {length} tokens\n{protocol}, {variant}", fontsize=9)
             ax.set_ylabel("score")
-        _legend_outside(figure, axes[0])
+        _legend_outside(figure, axes)
         figure.suptitle(model, fontsize=9)
         save(figure, "score")
 
@@ -165,10 +179,10 @@ def plot(document: dict, out_dir: str, stem: str) -> List[str]:
         figure, axes = _grid(plt, len(panels))
         for ax, (variant, task, length) in zip(axes, panels):
             members = [r for r in task_rows if (variant_of(r), r["task"], r["length"]) == (variant, task, length)]
-            _draw_panel(ax, _series(members), attention, with_errors=True)
+            _draw_panel(ax, _series(members), attention, colors, with_errors=True)
             ax.set_title(f"{task} @ {length}, {variant}", fontsize=9)
             ax.set_ylabel("score")
-        _legend_outside(figure, axes[0])
+        _legend_outside(figure, axes)
         figure.suptitle(model, fontsize=9)
         save(figure, "tasks")
 
@@ -177,10 +191,10 @@ def plot(document: dict, out_dir: str, stem: str) -> List[str]:
         figure, axes = _grid(plt, len(panels))
         for ax, (task, length) in zip(axes, panels):
             _draw_panel(ax, _series([r for r in ppl_rows if (r["task"], r["length"]) == (task, length)]), attention,
-                        transform=math.exp, with_errors=True)
+                        colors, transform=math.exp, with_errors=True)
             ax.set_title(f"{task}, context {length} tokens")
             ax.set_ylabel("perplexity")
-        _legend_outside(figure, axes[0])
+        _legend_outside(figure, axes)
         figure.suptitle(model, fontsize=9)
         save(figure, "perplexity")
     return written
