@@ -122,7 +122,7 @@ def test_tagged_logs_and_per_head_series_stay_apart(tmp_path, capsys):
     assert panel["full_at_least"]["tasks"] == ["easy"]
 
 
-def test_errors_name_the_problem(tmp_path):
+def test_errors_name_the_problem(tmp_path, capsys):
     log = tmp_path / "run.samples.jsonl"
     write_log(log)
     with pytest.raises(SystemExit, match="no series 'kvp:y'"):
@@ -133,3 +133,8 @@ def test_errors_name_the_problem(tmp_path):
     empty.write_text("")
     with pytest.raises(SystemExit, match="no task results"):
         compare.main([str(empty)])
+    # a log of policy runs without the full cache, which every table pairs against
+    no_full = tmp_path / "policies.samples.jsonl"
+    no_full.write_text("".join(json.dumps(record(t, i, KVP, 128, s[1])) + "\n" for (t, i), s in SCORES.items()))
+    assert compare.main([str(no_full)]) == 0
+    assert "no full-cache result" in capsys.readouterr().err

@@ -136,6 +136,15 @@ def compare(records: Sequence[dict], reference: Optional[str], **options) -> Dic
     return {panel: compare_panel(members, reference, **options) for panel, members in panels.items()}
 
 
+def why_no_sample_is_complete(records: Sequence[dict], panel: Panel) -> str:
+    """Every table pairs against the full cache, so a panel whose logs lack it says which log to add."""
+    members = [r for r in records if (r.get("protocol", ""), r.get("variant", ""), r.get("length", 0)) == panel]
+    if not any(r["series"] == FULL for r in members):
+        return ("the logs hold no full-cache result for it (policy 'full'), which every table pairs against: "
+                "add the log of a run with --policies full")
+    return "no sample is complete for every series and budget"
+
+
 def _number(x: float) -> str:
     return "–" if x != x else f"{x:.1f}"
 
@@ -203,7 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = {}
     for panel, result in everything.items():
         if not result["tasks"]:
-            print(f"{panel}: no sample is complete for every series and budget", file=sys.stderr)
+            print(f"{panel}: {why_no_sample_is_complete(records, panel)}", file=sys.stderr)
             continue
         print(markdown(panel, result, reference))
         print()
