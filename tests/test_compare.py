@@ -136,5 +136,5 @@ def test_errors_name_the_problem(tmp_path, capsys):
     # a log of policy runs without the full cache, which every table pairs against
     no_full = tmp_path / "policies.samples.jsonl"
     no_full.write_text("".join(json.dumps(record(t, i, KVP, 128, s[1])) + "\n" for (t, i), s in SCORES.items()))
-    assert compare.main([str(no_full)]) == 0
+    assert compare.main([str(no_full)]) == 1
     assert "no full-cache result" in capsys.readouterr().err

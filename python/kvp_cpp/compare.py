@@ -225,7 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"logs": args.logs, "reference": reference, "panels": out}, f, indent=2)
-    return 0
+    return 0 if out else 1  # nothing to compare is an error, not an empty report
 
 
 if __name__ == "__main__":
