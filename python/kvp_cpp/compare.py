@@ -129,17 +129,20 @@ def compare_panel(records: Iterable[dict], reference: Optional[str], budgets: Op
     return result
 
 
+def panel_of(record: dict) -> Panel:
+    return record.get("protocol", ""), record.get("variant", ""), record.get("length", 0)
+
+
 def compare(records: Sequence[dict], reference: Optional[str], **options) -> Dict[Panel, dict]:
     panels: Dict[Panel, List[dict]] = collections.OrderedDict()
     for r in records:
-        panels.setdefault((r.get("protocol", ""), r.get("variant", ""), r.get("length", 0)), []).append(r)
+        panels.setdefault(panel_of(r), []).append(r)
     return {panel: compare_panel(members, reference, **options) for panel, members in panels.items()}
 
 
 def why_no_sample_is_complete(records: Sequence[dict], panel: Panel) -> str:
     """Every table pairs against the full cache, so a panel whose logs lack it says which log to add."""
-    members = [r for r in records if (r.get("protocol", ""), r.get("variant", ""), r.get("length", 0)) == panel]
-    if not any(r["series"] == FULL for r in members):
+    if not any(r["series"] == FULL and panel_of(r) == panel for r in records):
         return ("the logs hold no full-cache result for it (policy 'full'), which every table pairs against: "
                 "add the log of a run with --policies full")
     return "no sample is complete for every series and budget"
