@@ -138,3 +138,35 @@ def test_errors_name_the_problem(tmp_path, capsys):
     no_full.write_text("".join(json.dumps(record(t, i, KVP, 128, s[1])) + "\n" for (t, i), s in SCORES.items()))
     assert compare.main([str(no_full)]) == 1
     assert "no full-cache result" in capsys.readouterr().err
+
+
+def test_agreement_pairs_each_series_text_with_the_full_caches(tmp_path, capsys):
+    # difflib's ratio is 2·M / (len(a) + len(b)), M the matched characters: "abcd" vs "abxy" matches "ab", 50.
+    texts = {  # (task, index): (full, kvp@128, keydiff@128)
+        ("easy", 0): ("abcd", "abcd", "abxy"),
+        ("easy", 1): ("abcd", "abcd", "abcd"),
+        ("hard", 0): ("wxyz", "zzzz", "wxyz"),
+    }
+    lines = []
+    for (task, index), (full, kvp, keydiff) in texts.items():
+        for policy, budget, text in (("full", None, full), (KVP, 128, kvp), ("keydiff", 128, keydiff)):
+            lines.append(dict(record(task, index, policy, budget, 0), prediction=text))
+    log = tmp_path / "run.samples.jsonl"
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    records = compare.read_logs([str(log)])
+    panel = ("oneshot", "question_included", 2048)
+    assert "agreement" not in compare.compare(records, "kvp:x")[panel]  # only when asked for
+    agreement = compare.compare(records, "kvp:x", agreement=True)[panel]["agreement"]
+    # "wxyz" vs "zzzz" matches one "z": 2·1/8 = 25
+    assert agreement["series"]["kvp:x"]["128"]["per_task"] == pytest.approx({"easy": 100.0, "hard": 25.0})
+    assert agreement["series"]["keydiff"]["128"]["per_task"] == pytest.approx({"easy": 75.0, "hard": 100.0})
+    paired = agreement["paired"]["keydiff"]["128"]  # kvp - keydiff per sample: +50, 0, -75
+    assert paired["mean"] == pytest.approx(-25 / 3)
+    assert (paired["n"], paired["better"], paired["worse"]) == (3, 1, 1)
+    assert compare.main([str(log), "--agreement"]) == 0
+    assert "Agreement with the full cache's answer" in capsys.readouterr().out
+    # an older log without the generated text cannot be compared this way, and says so
+    bare = tmp_path / "bare.samples.jsonl"
+    bare.write_text("".join(json.dumps({k: v for k, v in line.items() if k != "prediction"}) + "\n" for line in lines))
+    with pytest.raises(SystemExit, match="no generated text"):
+        compare.main([str(bare), "--agreement"])

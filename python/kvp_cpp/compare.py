@@ -12,7 +12,10 @@ Markdown:
   many samples the reference did better / worse;
 * the same two tables restricted to the tasks where the full cache scores at least ``--min-full`` (a model that
   fails a task with its whole cache says nothing about eviction on it);
-* each task's means.
+* each task's means;
+* with ``--agreement``, the same tables for how close each series' generated text is to the full cache's on the
+  same sample (difflib's similarity ratio, 0-100), which separates what eviction changed from what the model gets
+  wrong anyway on tasks the full cache fails.
 
 A series is a policy in a KV mode with, per head, its head consensus when not 0 (``keydiff``, ``keydiff (per
 head)``, ``kvp:x (per head w=0.9)``; per-head records written before kvp-bench recorded the consensus count as 0).
@@ -23,10 +26,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import difflib
 import json
 import math
 import sys
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .plot import PER_HEAD_SUFFIX, short_label
 
@@ -75,8 +79,8 @@ def mean_and_stderr(values: Sequence[float]) -> Tuple[float, float]:
     return mean, math.sqrt(variance / n)
 
 
-def compare_panel(records: Iterable[dict], reference: Optional[str], budgets: Optional[Sequence[int]] = None,
-                  max_samples: int = 0, min_full: Optional[float] = None) -> dict:
+def compare_panel(records: Sequence[dict], reference: Optional[str], budgets: Optional[Sequence[int]] = None,
+                  max_samples: int = 0, min_full: Optional[float] = None, agreement: bool = False) -> dict:
     """One (protocol, variant, length): scores on the samples complete for every series, budget and the full cache."""
     score: Dict[tuple, float] = {}
     series_budgets: Dict[str, set] = collections.defaultdict(set)
@@ -103,25 +107,51 @@ def compare_panel(records: Iterable[dict], reference: Optional[str], budgets: Op
         tasks = [t for t in tasks if full[t] >= min_full - 1e-9]
         complete = [s for s in complete if s[0] in tasks]
 
-    def task_mean(name: str, budget, task: str) -> float:
-        values = [score[(name, budget, t, i)] for t, i in complete if t == task]
-        return sum(values) / len(values)
-
     result = {"tasks": tasks, "samples_per_task": {t: per_task[t] for t in tasks}, "budgets": all_budgets,
               "full": {"mean": sum(full[t] for t in tasks) / len(tasks) if tasks else float("nan"),
-                       "per_task": {t: full[t] for t in tasks}},
-              "series": {}, "paired": {}}
+                       "per_task": {t: full[t] for t in tasks}}}
+    result.update(_means_and_paired(score, series, all_budgets, tasks, complete,
+                                    reference if reference in series_budgets else None))
+    if agreement:
+        answer = {(r["series"], r.get("budget"), r["task"], r["index"]): r for r in records}
+        similarity = {(n, b) + s: agreement_with_full(answer[(FULL, None) + s], answer[(n, b) + s])
+                      for n in series for b in all_budgets for s in complete}
+        result["agreement"] = _means_and_paired(similarity, series, all_budgets, tasks, complete,
+                                                reference if reference in series_budgets else None)
+    return result
+
+
+def agreement_with_full(full: dict, other: dict) -> float:
+    """How close a series' answer is to the full cache's on the same sample, 0-100: difflib's similarity ratio of
+    the two generated texts (100: the same text). It tells eviction apart from the model's own failures on tasks
+    the full cache does not solve, where a score can rise because eviction changed a wrong answer."""
+    for record in (full, other):
+        if not isinstance(record.get("prediction"), str):
+            raise SystemExit(f"{record['task']} #{record['index']} ({record['series']}) has no generated text "
+                             "('prediction') in its log, which the agreement table needs")
+    return 100.0 * difflib.SequenceMatcher(None, full["prediction"], other["prediction"], autojunk=False).ratio()
+
+
+def _means_and_paired(value: Dict[tuple, float], series: Sequence[str], budgets: Sequence[int],
+                      tasks: Sequence[str], complete: Sequence[Sample], reference: Optional[str]) -> dict:
+    """Each series' mean over tasks of its task means at every budget, and the reference minus each other series,
+    paired over the complete samples. ``value`` maps (series, budget, task, index) to a number."""
+    def task_mean(name: str, budget, task: str) -> float:
+        values = [value[(name, budget, t, i)] for t, i in complete if t == task]
+        return sum(values) / len(values)
+
+    result = {"series": {}, "paired": {}}
     for name in series:
         result["series"][name] = {
             str(b): {"mean": sum(task_mean(name, b, t) for t in tasks) / len(tasks) if tasks else float("nan"),
-                     "per_task": {t: task_mean(name, b, t) for t in tasks}} for b in all_budgets}
-    if reference is not None and reference in series_budgets and complete:
+                     "per_task": {t: task_mean(name, b, t) for t in tasks}} for b in budgets}
+    if reference is not None and complete:
         for name in series:
             if name == reference:
                 continue
             result["paired"][name] = {}
-            for b in all_budgets:
-                differences = [score[(reference, b) + s] - score[(name, b) + s] for s in complete]
+            for b in budgets:
+                differences = [value[(reference, b) + s] - value[(name, b) + s] for s in complete]
                 mean, stderr = mean_and_stderr(differences)
                 result["paired"][name][str(b)] = {
                     "mean": mean, "stderr": stderr, "n": len(differences),
@@ -156,12 +186,25 @@ def markdown(panel: Panel, result: dict, reference: Optional[str], title: str = 
     budgets = result["budgets"]
     n = sum(result["samples_per_task"].values())
     lines = [f"### {panel[0]}, {panel[1]}, {panel[2]} tokens{title}: {len(result['tasks'])} tasks, {n} samples "
-             f"complete for every series", "",
-             "| series | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+             f"complete for every series", ""]
+    lines += _tables(result, budgets, reference, full_row=result["full"])
+    if "agreement" in result:
+        lines += ["", "Agreement with the full cache's answer on the same samples (difflib similarity of the generated "
+                  "texts, 0-100; 100: the same text):", ""]
+        lines += _tables(result["agreement"], budgets, reference, tasks=result["tasks"])
+    return "\n".join(lines)
+
+
+def _tables(result: dict, budgets: Sequence[int], reference: Optional[str], full_row: Optional[dict] = None,
+            tasks: Optional[Sequence[str]] = None) -> List[str]:
+    """Means per series and budget, the paired differences, and each task's means."""
+    tasks = result["tasks"] if tasks is None else tasks
+    lines = ["| series | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for name, by_budget in result["series"].items():
         label = f"**{name}**" if name == reference else name
         lines.append(f"| {label} | " + " | ".join(_number(by_budget[str(b)]["mean"]) for b in budgets) + " |")
-    lines.append(f"| full cache | {_number(result['full']['mean'])} |" + " |" * (len(budgets) - 1))
+    if full_row is not None:
+        lines.append(f"| full cache | {_number(full_row['mean'])} |" + " |" * (len(budgets) - 1))
     if result["paired"]:
         lines += ["", f"{reference} minus each series, paired (mean ± standard error; samples better / worse):", "",
                   "| vs | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
@@ -169,14 +212,14 @@ def markdown(panel: Panel, result: dict, reference: Optional[str], title: str = 
             cells = [f"{d['mean']:+.1f} ± {d['stderr']:.1f} ({d['better']}/{d['worse']})"
                      for d in (by_budget[str(b)] for b in budgets)]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "| series | budget | " + " | ".join(result["tasks"]) + " |",
-              "|---|---|" + "---|" * len(result["tasks"])]
-    lines.append("| full cache | | " + " | ".join(_number(result["full"]["per_task"][t]) for t in result["tasks"]) + " |")
+    lines += ["", "| series | budget | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+    if full_row is not None:
+        lines.append("| full cache | | " + " | ".join(_number(full_row["per_task"][t]) for t in tasks) + " |")
     for name, by_budget in result["series"].items():
         for b in budgets:
             lines.append(f"| {name} | {b} | " +
-                         " | ".join(_number(by_budget[str(b)]["per_task"][t]) for t in result["tasks"]) + " |")
-    return "\n".join(lines)
+                         " | ".join(_number(by_budget[str(b)]["per_task"][t]) for t in tasks) + " |")
+    return lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -192,6 +235,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--min-full", type=float, default=30.0,
                         help="the restricted tables keep tasks where the full cache scores at least this (default 30)")
     parser.add_argument("--series", default=None, help="comma-separated series to keep (default: all)")
+    parser.add_argument("--agreement", action="store_true",
+                        help="also compare each series' generated text with the full cache's on the same sample "
+                             "(difflib similarity, 0-100), paired like the scores")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args(argv)
 
@@ -209,7 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if reference is not None and reference not in names:
         raise SystemExit(f"no series {reference!r} in the logs; they hold {names}")
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
-    options = dict(budgets=budgets, max_samples=args.samples)
+    options = dict(budgets=budgets, max_samples=args.samples, agreement=args.agreement)
     everything = compare(records, reference, **options)
     restricted = compare(records, reference, min_full=args.min_full, **options)
     out = {}
