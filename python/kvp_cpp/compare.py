@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import difflib
+import functools
 import json
 import math
 import sys
@@ -110,14 +111,13 @@ def compare_panel(records: Sequence[dict], reference: Optional[str], budgets: Op
     result = {"tasks": tasks, "samples_per_task": {t: per_task[t] for t in tasks}, "budgets": all_budgets,
               "full": {"mean": sum(full[t] for t in tasks) / len(tasks) if tasks else float("nan"),
                        "per_task": {t: full[t] for t in tasks}}}
-    result.update(_means_and_paired(score, series, all_budgets, tasks, complete,
-                                    reference if reference in series_budgets else None))
+    paired_with = reference if reference in series_budgets else None
+    result.update(_means_and_paired(score, series, all_budgets, tasks, complete, paired_with))
     if agreement:
         answer = {(r["series"], r.get("budget"), r["task"], r["index"]): r for r in records}
         similarity = {(n, b) + s: agreement_with_full(answer[(FULL, None) + s], answer[(n, b) + s])
                       for n in series for b in all_budgets for s in complete}
-        result["agreement"] = _means_and_paired(similarity, series, all_budgets, tasks, complete,
-                                                reference if reference in series_budgets else None)
+        result["agreement"] = _means_and_paired(similarity, series, all_budgets, tasks, complete, paired_with)
     return result
 
 
@@ -129,7 +129,12 @@ def agreement_with_full(full: dict, other: dict) -> float:
         if not isinstance(record.get("prediction"), str):
             raise SystemExit(f"{record['task']} #{record['index']} ({record['series']}) has no generated text "
                              "('prediction') in its log, which the agreement table needs")
-    return 100.0 * difflib.SequenceMatcher(None, full["prediction"], other["prediction"], autojunk=False).ratio()
+    return _text_similarity(full["prediction"], other["prediction"])
+
+
+@functools.lru_cache(maxsize=None)  # main() compares every panel twice (all tasks, then the solvable ones)
+def _text_similarity(a: str, b: str) -> float:
+    return 100.0 * difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
 
 
 def _means_and_paired(value: Dict[tuple, float], series: Sequence[str], budgets: Sequence[int],
