@@ -274,7 +274,7 @@ NB_MODULE(_core, m) {
             [](kvp::Engine* self, uintptr_t model, const std::string& policy, int64_t budget, int64_t n_sink,
                int64_t n_recent, const std::string& position_mode, double evict_fraction, const std::string& combine,
                int64_t compact_limit, uint64_t seed, const std::string& kernel, int n_threads, bool per_head,
-               std::optional<double> head_consensus, const std::string& scoring) {
+               std::optional<double> head_consensus, const std::string& scoring, const std::string& eviction_unit) {
                 const auto* llama_model_ptr = reinterpret_cast<const llama_model*>(model);
                 kvp::PolicyOptions options{seed, kernel, n_threads};
                 kvp::EngineConfig config;
@@ -286,6 +286,7 @@ NB_MODULE(_core, m) {
                 config.per_head = per_head;
                 config.head_consensus = head_consensus;
                 config.scoring = kvp::scoring_path_from_name(scoring);
+                config.eviction_unit = kvp::eviction_unit_from_name(eviction_unit);
                 auto made = kvp::make_policy(policy, kvp::model_identity(llama_model_ptr), options);
                 // Negative counts mean "what the policy was trained with".
                 if (n_sink > UINT32_MAX || n_recent > UINT32_MAX) throw std::invalid_argument("kv_sink/kv_recent too large");
@@ -296,7 +297,7 @@ NB_MODULE(_core, m) {
             "model"_a, "policy"_a, "budget"_a, "n_sink"_a = -1, "n_recent"_a = -1, "position_mode"_a = "compact",
             "evict_fraction"_a = 0.0625, "combine"_a = "sum_softmax", "compact_limit"_a = 0, "seed"_a = 0,
             "kernel"_a = "auto", "n_threads"_a = 0, "per_head"_a = false, "head_consensus"_a = nb::none(),
-            "scoring"_a = "auto")
+            "scoring"_a = "auto", "eviction_unit"_a = "token")
         .def_prop_ro("callback_address",
                      [](const kvp::Engine& e) {
                          return e.needs_callback() ? reinterpret_cast<uintptr_t>(&kvp::Engine::eval_callback) : uintptr_t(0);
@@ -312,7 +313,16 @@ NB_MODULE(_core, m) {
         .def("attach", [](kvp::Engine& e, uintptr_t ctx) { e.attach(reinterpret_cast<llama_context*>(ctx)); }, "ctx"_a)
         .def("detach", &kvp::Engine::detach)
         .def("next_batch_size", &kvp::Engine::next_batch_size, "remaining"_a, "n_batch"_a)
-        .def("begin_batch", &kvp::Engine::begin_batch, "n"_a)
+        .def(
+            "begin_batch",
+            [](kvp::Engine& e, int n, std::optional<std::vector<int32_t>> tokens) {
+                if (tokens && tokens->size() != size_t(std::max(n, 0)))
+                    throw std::invalid_argument("begin_batch got " + std::to_string(tokens->size()) + " token ids for " +
+                                                std::to_string(n) + " tokens");
+                return e.begin_batch(n, tokens ? tokens->data() : nullptr);
+            },
+            "n"_a, "tokens"_a = nb::none())
+        .def_prop_ro("eviction_unit", [](const kvp::Engine& e) { return kvp::eviction_unit_name(e.config().eviction_unit); })
         .def("end_batch", &kvp::Engine::end_batch)
         .def("abort_batch", &kvp::Engine::abort_batch)
         .def("truncate", &kvp::Engine::truncate, "n_logical"_a)
@@ -369,6 +379,9 @@ NB_MODULE(_core, m) {
             d["original_pos"] = original;
             d["cache_pos"] = cache;
             d["scores"] = scores;
+            auto word = new_array<int64_t>({n});
+            for (size_t i = 0; i < n; ++i) word.data()[i] = l.word(i);
+            d["word"] = word;
             return d;
         });
 

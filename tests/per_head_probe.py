@@ -398,7 +398,8 @@ def scenario_engine_per_head(args):
     mode = args.get("kv_mode", "per_head") if args["policy"] else "shared"
     llm = kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=budget, kv_policy=args["policy"], kv_mode=mode,
                         kv_position_mode=args.get("position_mode"), flash_attn=True, seed=0, verbose=False,
-                        n_threads=2, kv_head_consensus=args.get("consensus"))  # absent: the default
+                        n_threads=2, kv_head_consensus=args.get("consensus"),  # absent: the default
+                        kv_evict_unit=args.get("evict_unit", "token") if args["policy"] else "token")
     out = llm.create_completion(PROMPT * args.get("repeat", 16), max_tokens=16, temperature=0.0)
     result = {"text": out["choices"][0]["text"], "n_cells": int(llama_cpp.llama_n_ctx(llm._ctx.ctx))}
     if args["policy"]:
@@ -478,7 +479,7 @@ def scenario_per_head_state(args):
     def make(kv_mode="per_head"):
         return kvp_cpp.Llama(kvp_cpp.default_model_path(), n_ctx=256, kv_policy=args.get("policy", "kvp"),
                              kv_mode=kv_mode, kv_position_mode="original", flash_attn=True, seed=0, verbose=False,
-                             n_threads=2)
+                             n_threads=2, kv_evict_unit=args.get("evict_unit", "token"))
 
     def greedy(llm, n=12):
         """A fixed first token, then n greedy ones: every step's logits depend on the whole cache."""

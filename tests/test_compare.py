@@ -110,6 +110,11 @@ def test_tagged_logs_and_per_head_series_stay_apart(tmp_path, capsys):
     consensus.write_text("".join(json.dumps(dict(r, head_consensus=w, index=r["index"] + 10 * k)) + "\n"
                                  for k, w in enumerate((0, 0.9)) for r in per_head))
     assert {r["series"] for r in compare.read_logs([str(consensus)])} == {"kvp:x (per head)", "kvp:x (per head w=0.9)"}
+    # word-level eviction (kvp-bench --evict-unit word) is a series of its own, in either mode
+    words = tmp_path / "d.samples.jsonl"
+    words.write_text("".join(json.dumps(dict(r, evict_unit="word")) + "\n"
+                             for r in (record("easy", 0, KVP, 128, 100), record("easy", 0, KVP, 128, 0, "per_head"))))
+    assert {r["series"] for r in compare.read_logs([str(words)])} == {"kvp:x (words)", "kvp:x (per head) (words)"}
     out_json = tmp_path / "cmp.json"
     assert compare.main([str(first), f"{second}@w0.5", "--json", str(out_json)]) == 0
     text = capsys.readouterr().out

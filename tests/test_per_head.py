@@ -212,6 +212,17 @@ def test_per_head_state_round_trip(policy):
     assert r["other_still_works"]
 
 
+def test_per_head_word_eviction():
+    """kv_evict_unit="word" per head: every head stays within the budget and keeps its own tokens, and
+    save_state/load_state carries the words with each head's positions."""
+    r = run_probe("engine_per_head", {"policy": str(KVP_FILE), "evict_unit": "word"}, patched=True)
+    assert r["counts"] == [r["cells_used"]] and r["cells_used"] <= 256 and r["tokens_evicted"] > 500
+    assert r["n_distinct_sets"] > 1
+    state = run_probe("per_head_state", {"policy": "kvp", "evict_unit": "word"}, patched=True)
+    assert state["positions_restored"] and state["positions_in_other"]
+    assert state["again"] == state["first"] and state["from_other"] == state["first"]
+
+
 GEMMA_SHIPPED = pathlib.Path(__file__).resolve().parents[1] / "models" / "gemma-3-270m.kvp.bin"
 
 

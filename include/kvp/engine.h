@@ -72,6 +72,9 @@ struct EngineConfig {
     // per-head mode, 0 in shared mode; the engine's config() holds the resolved value.
     std::optional<double> head_consensus;
     ScoringPath scoring = ScoringPath::automatic;
+    // Word: the sub-word tokens of a word are ranked by the word's best score, so they stay or leave together;
+    // begin_batch then needs the batch's token ids.
+    EvictionUnit eviction_unit = EvictionUnit::token;
 };
 
 struct EngineStats {
@@ -130,8 +133,9 @@ public:
     int64_t next_batch_size(int64_t remaining, int64_t n_batch) const;
 
     // Makes room for n new tokens whose logical indices start at logical_length(), then records them.
-    // Returns the cache position of the first one.
-    int64_t begin_batch(int n);
+    // Returns the cache position of the first one. `tokens` (n vocabulary ids) is required with word-level
+    // eviction and checked against the vocabulary; it is not used otherwise.
+    int64_t begin_batch(int n, const int32_t* tokens = nullptr);
     void end_batch();
     void abort_batch();
 
@@ -190,6 +194,8 @@ private:
     // head_pos: per-head mode, the cells' positions of every (layer, KV head), [layer][head][cell]
     Ledger parse_image(const uint8_t* data, size_t size, int64_t* next_logical, std::vector<int32_t>* head_pos) const;
     std::string store_graph_scores();
+    // Word-level eviction: the word the token at logical index `logical` belongs to, from the ledger's last entry.
+    int64_t word_of(int64_t logical, int32_t token) const;
 
     EngineConfig config_;
     ModelIdentity identity_;
@@ -205,6 +211,8 @@ private:
     std::unique_ptr<GraphScorer> graph_scorer_;
     Ledger ledger_;
     Ledger ranking_;  // the ledger plus the policy's recency terms, rebuilt for every eviction round
+    // word-level eviction: per vocabulary id, whether its text starts and ends with a letter or digit (bits)
+    std::vector<uint8_t> piece_edges_;
     std::vector<uint8_t> capture_layer_;    // per model layer: CaptureFlags; empty if nothing is captured
     uint32_t n_head_ = 0;                   // query heads
     std::vector<LayerCapture> captures_;    // per model layer

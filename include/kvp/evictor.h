@@ -21,6 +21,19 @@ enum class HeadCombine {
 HeadCombine head_combine_from_name(const std::string& name);  // throws std::invalid_argument
 const char* head_combine_name(HeadCombine combine);
 
+// What one eviction decision covers. Sub-word tokens of one word carry the word only together: a model shown
+// half of a word reads another word (docs/policies.md, "Word-level eviction").
+enum class EvictionUnit {
+    token,  // every token ranked by its own score (default)
+    word,   // every token ranked by the highest score among the cached tokens of its word
+};
+EvictionUnit eviction_unit_from_name(const std::string& name);  // token, word; throws std::invalid_argument
+const char* eviction_unit_name(EvictionUnit unit);
+
+// Word-level eviction: in every score column, each entry gets the highest finite score among the entries of its
+// word (Ledger::word). Non-finite scores stay as they are, so such entries still leave first.
+void share_word_scores(Ledger& ledger);
+
 struct Protection {
     uint32_t n_sink = 4;    // tokens with logical index < n_sink stay
     uint32_t n_recent = 16; // the n_recent newest entries stay

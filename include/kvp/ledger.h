@@ -15,8 +15,9 @@ public:
     bool empty() const { return logical_.empty(); }
     int n_columns() const { return n_columns_; }
 
-    // Appends a token; its score row starts at zero.
-    void append(int64_t logical, int64_t original_pos, int64_t cache_pos);
+    // Appends a token; its score row starts at zero. `word` is the logical index of the first token of the word it
+    // belongs to (itself by default), `token` its vocabulary id (-1: not known); see set_word_groups().
+    void append(int64_t logical, int64_t original_pos, int64_t cache_pos, int64_t word = -1, int32_t token = -1);
     // Removes the entries whose indices are listed (ascending, unique).
     void remove(const std::vector<size_t>& sorted_indices);
     // Removes every entry from index `first` on.
@@ -38,6 +39,13 @@ public:
     // Entries in [first, last) that `head` holds (the whole range in shared mode).
     size_t held_count(int head, size_t first, size_t last) const;
 
+    // Word-level eviction: entries of one word (the same word()) are ranked together, and the image records the
+    // words. set_word_groups() is for an empty ledger; without it every entry is its own word.
+    void set_word_groups(bool on);
+    bool word_groups() const { return word_groups_; }
+    int64_t word(size_t i) const { return word_[i]; }
+    int32_t token(size_t i) const { return token_[i]; }
+
     const int64_t* logical_data() const { return logical_.data(); }
     const int64_t* original_pos_data() const { return original_pos_.data(); }
     float* scores(size_t i) { return scores_.data() + i * n_columns_; }
@@ -52,8 +60,10 @@ public:
 
 private:
     int n_columns_;
-    std::vector<int64_t> logical_, original_pos_, cache_pos_;
+    std::vector<int64_t> logical_, original_pos_, cache_pos_, word_;
+    std::vector<int32_t> token_;
     std::vector<float> scores_;
+    bool word_groups_ = false;
     int n_holders_ = 0;
     std::vector<uint8_t> holders_;  // [entry][head], per-head mode only
 };

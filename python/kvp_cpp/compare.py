@@ -18,7 +18,8 @@ Markdown:
   wrong anyway on tasks the full cache fails.
 
 A series is a policy in a KV mode with, per head, its head consensus when not 0 (``keydiff``, ``keydiff (per
-head)``, ``kvp:x (per head w=0.9)``; per-head records written before kvp-bench recorded the consensus count as 0).
+head)``, ``kvp:x (per head w=0.9)``; per-head records written before kvp-bench recorded the consensus count as 0), and
+with ``--evict-unit word`` a ``(words)`` suffix (``kvp:x (words)``).
 Several logs may be given; ``LOG@TAG`` appends `` [TAG]`` to the series of that log, so that runs of the same
 policy with other settings (say ``--sink``) are told apart. ``--json`` writes the same numbers.
 """
@@ -33,7 +34,7 @@ import math
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .plot import PER_HEAD_SUFFIX, short_label
+from .plot import PER_HEAD_SUFFIX, WORDS_SUFFIX, short_label
 
 FULL = "full"
 Panel = Tuple[str, str, int]  # protocol, variant, length
@@ -45,6 +46,8 @@ def series_name(record: dict, tag: str = "") -> str:
     if record.get("kv_mode") == "per_head":
         consensus = record.get("head_consensus", 0)
         name += PER_HEAD_SUFFIX if consensus == 0 else f"{PER_HEAD_SUFFIX[:-1]} w={consensus:g})"
+    if record.get("evict_unit") == "word":
+        name += WORDS_SUFFIX
     return f"{name} [{tag}]" if tag else name
 
 

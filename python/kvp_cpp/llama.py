@@ -33,6 +33,7 @@ POSITION_MODES = ("compact", "original")
 KV_MODES = ("shared", "per_head")
 #: where a learned policy's MLP runs: auto (graph with the patched llama.cpp and a GPU), callback, graph
 SCORING_PATHS = ("auto", "callback", "graph")
+EVICTION_UNITS = ("token", "word")
 HEAD_COMBINES = ("sum_softmax", "max_softmax", "mean", "mean_rank")
 
 
@@ -157,6 +158,9 @@ class Llama(llama_cpp.Llama):
       the patched llama.cpp is loaded and has a GPU backend, else on the CPU through the eval callback, which is
       the faster of the two on a CPU), ``"callback"`` or ``"graph"`` (the patched llama.cpp; see
       docs/graph_scoring.md). Both give the same scores.
+    - ``kv_evict_unit``: ``"token"`` (default) ranks every token by its own score; ``"word"`` ranks the sub-word
+      tokens of a word (no space or punctuation between them, at most 16 tokens) by the word's best score, so a
+      word stays or leaves whole instead of leaving fragments the model misreads (docs/policies.md).
     """
 
     def __init__(
@@ -178,12 +182,14 @@ class Llama(llama_cpp.Llama):
         kv_kernel: str = "auto",
         kv_threads: int = 0,
         kv_scoring: str = "auto",
+        kv_evict_unit: str = "token",
         **kwargs: Any,
     ):
         self._kvp_engine: Optional[_core.Engine] = None
         self._kvp_owner: Optional[int] = None  # the thread using this instance (see _use)
         self._kvp_depth = 0
         self._kvp_guard = threading.Lock()
+        self._kvp_words = False  # word-level eviction: the engine needs each batch's token ids
         if kv_position_mode is None:
             kv_position_mode = "original" if kv_mode == "per_head" else "compact"
         self._kvp_args = dict(
@@ -191,10 +197,13 @@ class Llama(llama_cpp.Llama):
             kv_position_mode=kv_position_mode, kv_evict_fraction=kv_evict_fraction, kv_head_combine=kv_head_combine,
             kv_head_consensus=kv_head_consensus, kv_seed=kv_seed, kv_compact_limit=kv_compact_limit,
             kv_max_tokens=kv_max_tokens, kv_kernel=kv_kernel, kv_threads=kv_threads, kv_scoring=kv_scoring,
+            kv_evict_unit=kv_evict_unit,
         )
         if kv_policy is None:
             if kv_mode != "shared":
                 raise ValueError(f"kv_mode={kv_mode!r} needs a kv_policy")
+            if kv_evict_unit != "token":
+                raise ValueError(f"kv_evict_unit={kv_evict_unit!r} needs a kv_policy")
             super().__init__(model_path, **kwargs)
             return
 
@@ -213,10 +222,12 @@ class Llama(llama_cpp.Llama):
             compact_limit=int(kv_compact_limit), seed=int(kv_seed), kernel=kv_kernel, n_threads=int(kv_threads),
             per_head=kv_mode == "per_head", scoring=kv_scoring,
             head_consensus=None if kv_head_consensus is None else float(kv_head_consensus),
+            eviction_unit=kv_evict_unit,
         )
         self._check_kv_cache_fits(int(budget))
         self._recreate_context(engine, int(budget))
         self._kvp_engine = engine
+        self._kvp_words = kv_evict_unit == "word"
         self._n_ctx = int(kv_max_tokens)
 
     # --- construction -------------------------------------------------------------------------------------------
@@ -268,6 +279,8 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"kv_scoring must be one of {SCORING_PATHS}, got {args['kv_scoring']!r}")
         if args["kv_scoring"] == "graph":
             _llama_lib.require_graph_scoring()
+        if args["kv_evict_unit"] not in EVICTION_UNITS:
+            raise ValueError(f"kv_evict_unit must be one of {EVICTION_UNITS}, got {args['kv_evict_unit']!r}")
         if args["kv_position_mode"] not in POSITION_MODES:
             raise ValueError(f"kv_position_mode must be one of {POSITION_MODES}, got {args['kv_position_mode']!r}")
         if args["kv_head_combine"] not in HEAD_COMBINES:
@@ -374,7 +387,7 @@ class Llama(llama_cpp.Llama):
             batch = tokens[start : start + engine.next_batch_size(len(tokens) - start, self.n_batch)]
             start += len(batch)
             n_past, n = self.n_tokens, len(batch)
-            first_position = engine.begin_batch(n)
+            first_position = engine.begin_batch(n, batch if self._kvp_words else None)
             try:
                 self._batch.set_batch(batch=batch, n_past=first_position, logits_all=self._logits_all)
                 self._ctx.decode(self._batch)

@@ -31,12 +31,14 @@ def load_results(path: str) -> dict:
 
 
 PER_HEAD_SUFFIX = " (per head)"
+WORDS_SUFFIX = " (words)"
 
 
 def short_label(label: str) -> str:
     """``kvp:models/ruler.kvp.bin`` -> ``kvp:ruler``; other labels unchanged (a per-head series keeps its suffix)."""
-    if label.endswith(PER_HEAD_SUFFIX):
-        return short_label(label[: -len(PER_HEAD_SUFFIX)]) + PER_HEAD_SUFFIX
+    for suffix in (WORDS_SUFFIX, PER_HEAD_SUFFIX):
+        if label.endswith(suffix):
+            return short_label(label[: -len(suffix)]) + suffix
     if label.startswith("kvp:") or label.endswith(".kvp.bin"):
         name = os.path.basename(label[4:] if label.startswith("kvp:") else label)
         return "kvp:" + (name[: -len(".kvp.bin")] if name.endswith(".kvp.bin") else name)
@@ -139,10 +141,13 @@ def plot(document: dict, out_dir: str, stem: str) -> List[str]:
     """Writes the plots that the results allow; returns their paths."""
     plt = _pyplot()
     attention = _attention_based(document)
-    # per-head runs (kvp-bench --kv-modes) are series of their own, styled as their policy
+    # per-head runs (kvp-bench --kv-modes) and word-level eviction (--evict-unit word) are series of their own,
+    # styled as their policy
     rows = [dict(r, policy=r["policy"] + PER_HEAD_SUFFIX) if r.get("kv_mode") == "per_head" else r
             for r in document["results"]]
+    rows = [dict(r, policy=r["policy"] + WORDS_SUFFIX) if r.get("evict_unit") == "word" else r for r in rows]
     attention.update({label + PER_HEAD_SUFFIX: based for label, based in list(attention.items())})
+    attention.update({label + WORDS_SUFFIX: based for label, based in list(attention.items())})
     colors = _colors(plt, rows)
     task_rows = [r for r in rows if r["metric"] != PERPLEXITY_METRIC]
     ppl_rows = [r for r in rows if r["metric"] == PERPLEXITY_METRIC]

@@ -70,6 +70,8 @@ engine
   --head-consensus W        per_head: each head ranks by (1 - W) x its own softmax + W x all heads' mean softmax,
                             in [0, 1] (default 0.9, docs/per_head.md; 0: every head by its own scores, the paper's
                             per-head eviction; 1: shared mode's ranking). Per-head results are keyed by it
+  --evict-unit token|word   token (default): every token by its own score; word: the sub-word tokens of a word are
+                            ranked by the word's best score and stay or leave together. Records are keyed by it
   --scoring PATH             where learned policies' MLPs run: auto (default: in llama.cpp's decode graph with the
                             patched llama.cpp and a GPU, else on the CPU through the eval callback), callback, graph
   --seed N                  seed of the random policy (default 0)
@@ -174,6 +176,7 @@ Options parse_args(int argc, char** argv) {
         else if (flag == "--evict-fraction") o.engine.evict_fraction = parse_fraction(flag, value());
         else if (flag == "--head-consensus") o.engine.head_consensus = parse_fraction(flag, value());
         else if (flag == "--scoring") o.engine.scoring = scoring_path_from_name(value());
+        else if (flag == "--evict-unit") o.engine.eviction_unit = eviction_unit_from_name(value());
         else if (flag == "--kv-modes") {
             o.kv_modes = split_list(value());
             if (o.kv_modes.empty()) throw UsageError("--kv-modes is empty");
@@ -363,7 +366,8 @@ int run_speed_benchmark(const Options& o) {
                     {"threads", o.n_threads}, {"batch_size", o.n_batch}, {"flash_attn", o.flash_attn},
                     {"combine", head_combine_name(o.engine.combine)}, {"evict_fraction", o.engine.evict_fraction},
                     {"kv_modes", o.kv_modes}, {"head_consensus", head_consensus_json(o)},
-                    {"scoring", scoring_path_name(o.engine.scoring)}}},
+                    {"scoring", scoring_path_name(o.engine.scoring)},
+                    {"evict_unit", eviction_unit_name(o.engine.eviction_unit)}}},
         {"run", run_json(wall)},
         {"files", {{"csv", csv_path}}},
         {"speed", rows}};
@@ -444,6 +448,7 @@ int run_benchmark(const Options& o) {
                         {"kv_modes", o.kv_modes},
                         {"head_consensus", head_consensus_json(o)},
                         {"scoring", scoring_path_name(o.engine.scoring)},
+                        {"evict_unit", eviction_unit_name(o.engine.eviction_unit)},
                         {"threads", o.n_threads},
                         {"batch_size", o.n_batch},
                         {"flash_attn", o.flash_attn}};

@@ -91,6 +91,7 @@ std::unique_ptr<Engine> PolicyFactory::make_engine(int64_t budget, bool per_head
     config.evict_fraction = options_.evict_fraction;
     if (per_head) config.head_consensus = options_.head_consensus;
     config.scoring = options_.scoring;
+    config.eviction_unit = options_.eviction_unit;
     return std::make_unique<Engine>(model_, make_policy(), config);
 }
 

@@ -23,6 +23,7 @@ struct EngineOptions {
     double evict_fraction = 0.0625;
     std::optional<double> head_consensus;  // per-head engines' share of all heads' vote; unset: kDefaultHeadConsensus
     ScoringPath scoring = ScoringPath::automatic;  // where learned policies' MLPs run
+    EvictionUnit eviction_unit = EvictionUnit::token;
 };
 
 class PolicyFactory {
@@ -35,6 +36,7 @@ public:
     // that a resumed sweep notices when the file behind a label changed.
     const std::string& file_digest() const { return file_digest_; }
     bool is_full() const { return source_.empty(); }
+    EvictionUnit eviction_unit() const { return options_.eviction_unit; }
     double per_head_consensus() const { return resolve_head_consensus(options_.head_consensus, true); }
     const std::string& policy_name() const { return policy_name_; }  // the policy's own name(); "full" for full
     bool attention_based() const { return attention_based_; }        // scores from observed queries

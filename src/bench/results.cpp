@@ -79,14 +79,15 @@ std::string RecordKey::str() const {
     const char sep = '\x1f';
     return model + sep + protocol + sep + variant + sep + task + sep + std::to_string(length) + sep +
            std::to_string(index) + sep + policy + sep + std::to_string(budget) + sep + kv_mode +
-           (kv_mode == kPerHeadMode ? sep + shortest(head_consensus) : std::string());
+           (kv_mode == kPerHeadMode ? sep + shortest(head_consensus) : std::string()) +
+           (evict_unit != "token" ? sep + evict_unit : std::string());
 }
 
 RecordKey RecordKey::of(const json& r) {
     return {r.at("model").get<std::string>(),  r.at("protocol").get<std::string>(), r.at("variant").get<std::string>(),
             r.at("task").get<std::string>(),   r.at("length").get<int64_t>(),      r.at("index").get<int64_t>(),
             r.at("policy").get<std::string>(), budget_of(r.at("budget")),  r.value("kv_mode", std::string(kSharedMode)),
-            r.value("head_consensus", 0.0)};
+            r.value("head_consensus", 0.0), r.value("evict_unit", std::string("token"))};
 }
 
 void RecordKey::write_to(json& r) const {
@@ -99,6 +100,7 @@ void RecordKey::write_to(json& r) const {
     r["policy"] = policy;
     r["kv_mode"] = kv_mode;
     if (kv_mode == kPerHeadMode) r["head_consensus"] = head_consensus;
+    if (evict_unit != "token") r["evict_unit"] = evict_unit;
     r["budget"] = budget_json(budget);
 }
 
@@ -151,6 +153,7 @@ void to_json(json& j, const ResultRow& row) {
              {"decoded_tokens", row.decoded_tokens},
              {"generated_tokens", row.generated_tokens},
              {"seconds", row.seconds}};
+    if (row.evict_unit != "token") j["evict_unit"] = row.evict_unit;
 }
 
 std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const std::vector<std::string>& variant_order,
@@ -158,12 +161,12 @@ std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const 
     auto rank = [](const std::vector<std::string>& order, const std::string& name) {
         return std::find(order.begin(), order.end(), name) - order.begin();
     };
-    using GroupKey = std::tuple<std::ptrdiff_t, std::ptrdiff_t, bool, int64_t, std::ptrdiff_t, int64_t>;
+    using GroupKey = std::tuple<std::ptrdiff_t, std::ptrdiff_t, bool, std::string, int64_t, std::ptrdiff_t, int64_t>;
     std::map<GroupKey, std::vector<const json*>> groups;
     for (const json* r : records) {
         const RecordKey key = RecordKey::of(*r);
         groups[{rank(variant_order, key.variant), rank(policy_order, key.policy), key.kv_mode != kSharedMode,
-                key.budget, rank(task_order, key.task), key.length}]
+                key.evict_unit, key.budget, rank(task_order, key.task), key.length}]
             .push_back(r);
     }
 
@@ -174,6 +177,7 @@ std::vector<ResultRow> aggregate(const std::vector<const json*>& records, const 
         ResultRow row;
         row.policy = key.policy;
         row.kv_mode = key.kv_mode;
+        row.evict_unit = key.evict_unit;
         row.budget = key.budget;
         row.task = key.task;
         row.length = key.length;
@@ -210,7 +214,7 @@ void print_table(std::ostream& out, const std::vector<ResultRow>& rows) {
         return format_fixed(score, decimals) + " ± " + format_fixed(stderr_, decimals);
     };
     auto line_of = [&](const ResultRow& r, const std::string& task, double score, double stderr_, int64_t n) {
-        return Line{r.variant, display_label(r.policy), r.kv_mode,
+        return Line{r.variant, display_label(r.policy) + (r.evict_unit == "word" ? " (words)" : ""), r.kv_mode,
                     r.budget == kUnbounded ? "-" : std::to_string(r.budget), task,
                     std::to_string(r.length), score_text(r.metric, score, stderr_), std::to_string(n)};
     };
@@ -222,7 +226,8 @@ void print_table(std::ostream& out, const std::vector<ResultRow>& rows) {
         // rows of one (variant, policy, budget) are contiguous; a mean over tasks per length follows them
         size_t j = i;
         while (j < rows.size() && rows[j].variant == rows[i].variant && rows[j].policy == rows[i].policy &&
-               rows[j].kv_mode == rows[i].kv_mode && rows[j].budget == rows[i].budget)
+               rows[j].kv_mode == rows[i].kv_mode && rows[j].evict_unit == rows[i].evict_unit &&
+               rows[j].budget == rows[i].budget)
             ++j;
         std::map<int64_t, std::vector<const ResultRow*>> by_length;
         for (size_t k = i; k < j; ++k) {

@@ -41,6 +41,8 @@ struct RecordKey {
     // Per-head records only (written and keyed for them): absent from logs written before it was recorded, when
     // the default was 0.
     double head_consensus = 0.0;
+    // "word" for engines that evict whole words (--evict-unit); absent from records of token-level eviction
+    std::string evict_unit = "token";
 
     std::string str() const;
     static RecordKey of(const json& record);
@@ -70,6 +72,7 @@ private:
 struct ResultRow {
     std::string policy;
     std::string kv_mode = kSharedMode;
+    std::string evict_unit = "token";  // in the JSON only when "word"
     int64_t budget = kUnbounded;
     std::string task;
     int64_t length = 0;

@@ -196,7 +196,7 @@ void SequenceWriter::feed(std::span<const llama_token> tokens, size_t logits_fro
         size_t begun = 0;
         try {
             for (; begun < engines_.size(); ++begun) {
-                const int64_t pos = engines_[begun]->begin_batch(int(n));
+                const int64_t pos = engines_[begun]->begin_batch(int(n), batch.data());
                 if (begun == 0) next_pos_ = pos;
                 else if (pos != next_pos_)
                     throw std::logic_error("engines following one sequence disagree on its positions");

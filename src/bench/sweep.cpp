@@ -48,7 +48,8 @@ std::unique_ptr<Engine> engine_for(const SweepConfig& config, const Job& job, in
 RecordKey key_of(const SweepConfig& config, const Sample& sample, const Job& job) {
     return {config.model_name, protocol_name(config.protocol), *job.variant, sample.task, sample.length,
             sample.index, job.policy->label(), job.budget, job.per_head ? kPerHeadMode : kSharedMode,
-            job.per_head ? job.policy->per_head_consensus() : 0.0};
+            job.per_head ? job.policy->per_head_consensus() : 0.0,
+            job.policy->is_full() ? "token" : eviction_unit_name(job.policy->eviction_unit())};
 }
 
 std::string job_name(const SweepConfig& config, const Sample& sample, const Job& job) {

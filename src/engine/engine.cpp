@@ -23,6 +23,35 @@ double seconds_since(Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// Word-level eviction: a token continues the previous token's word when its text starts with a word character and
+// the previous one's ends with one (no space or punctuation between them). Bytes >= 0x80 are parts of non-ASCII
+// letters in UTF-8.
+constexpr uint8_t kPieceContinuesWord = 1, kPieceEndsInWord = 2;
+// a longer run without a break (a base64 blob, a long number) is cut into words of at most this many tokens
+constexpr int64_t kMaxWordTokens = 16;
+
+bool is_word_byte(unsigned char c) {
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c >= 0x80;
+}
+
+std::vector<uint8_t> piece_edges(const llama_model* model) {
+    const llama_vocab* vocab = llama_model_get_vocab(model);
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+    std::vector<uint8_t> edges(size_t(std::max(0, n_vocab)), 0);
+    std::vector<char> piece(256);
+    for (int32_t t = 0; t < n_vocab; ++t) {
+        int32_t n = llama_token_to_piece(vocab, t, piece.data(), int32_t(piece.size()), 0, false);
+        if (n < 0) {
+            piece.resize(size_t(-n));
+            n = llama_token_to_piece(vocab, t, piece.data(), int32_t(piece.size()), 0, false);
+        }
+        if (n <= 0) continue;  // control tokens have no text: they stand alone
+        edges[size_t(t)] = uint8_t((is_word_byte(uint8_t(piece[0])) ? kPieceContinuesWord : 0) |
+                                   (is_word_byte(uint8_t(piece[size_t(n) - 1])) ? kPieceEndsInWord : 0));
+    }
+    return edges;
+}
+
 std::string model_meta(const llama_model* model, const std::string& key) {
     char buf[256];
     const int32_t n = llama_model_meta_val_str(model, key.c_str(), buf, sizeof buf);
@@ -137,6 +166,10 @@ Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy,
                                     " (the model's n_ctx_train); use a smaller budget or kv_position_mode='original'");
 
     ledger_ = Ledger(policy_->n_score_columns());
+    if (config_.eviction_unit == EvictionUnit::word) {
+        ledger_.set_word_groups(true);
+        piece_edges_ = piece_edges(model);
+    }
     n_head_ = uint32_t(std::max(0, llama_model_n_head(model)));
     capture_layer_.assign(identity_.n_layer, 0);
     bool any = false;
@@ -343,11 +376,30 @@ void Engine::on_tensor(const ggml_tensor* t, char kind, int layer) {
 
 // --- batches ------------------------------------------------------------------------------------------------------
 
-int64_t Engine::begin_batch(int n) {
+int64_t Engine::word_of(int64_t logical, int32_t token) const {
+    if (ledger_.empty()) return logical;
+    const size_t last = ledger_.size() - 1;
+    const int32_t previous = ledger_.token(last);
+    // the previous token must still be cached (else its word is gone) and the pieces must touch
+    const bool joins = ledger_.logical(last) == logical - 1 && previous >= 0 &&
+                       (piece_edges_[size_t(previous)] & kPieceEndsInWord) &&
+                       (piece_edges_[size_t(token)] & kPieceContinuesWord) &&
+                       logical - ledger_.word(last) < kMaxWordTokens;
+    return joins ? ledger_.word(last) : logical;
+}
+
+int64_t Engine::begin_batch(int n, const int32_t* tokens) {
     require_attached();
     if (in_batch_) throw std::logic_error("begin_batch called twice without end_batch/abort_batch");
     if (n <= 0 || n > config_.budget)
         throw std::invalid_argument("a batch must hold 1.." + std::to_string(config_.budget) + " tokens, got " + std::to_string(n));
+    const bool words = config_.eviction_unit == EvictionUnit::word;
+    if (words && !tokens) throw std::invalid_argument("word-level eviction needs the batch's token ids");
+    if (words)
+        for (int i = 0; i < n; ++i)
+            if (tokens[i] < 0 || size_t(tokens[i]) >= piece_edges_.size())
+                throw std::invalid_argument("token id " + std::to_string(tokens[i]) + " is outside the model's vocabulary (" +
+                                            std::to_string(piece_edges_.size()) + " tokens)");
 
     const size_t used = size_t(cells_used());
     if (int64_t(used) + n > config_.budget) {
@@ -373,7 +425,11 @@ int64_t Engine::begin_batch(int n) {
 
     pending_begin_ = ledger_.size();
     pending_n_ = n;
-    for (int i = 0; i < n; ++i) ledger_.append(next_logical_ + i, next_logical_ + i, first_pos + i);
+    for (int i = 0; i < n; ++i) {
+        const int64_t logical = next_logical_ + i;
+        if (words) ledger_.append(logical, logical, first_pos + i, word_of(logical, tokens[i]), tokens[i]);
+        else ledger_.append(logical, logical, first_pos + i);
+    }
     policy_->score_positions(ledger_.logical_data() + pending_begin_, ledger_.original_pos_data() + pending_begin_, n,
                              ledger_.scores(pending_begin_), size_t(ledger_.n_columns()));
     for (LayerCapture& cap : captures_) {
@@ -446,9 +502,11 @@ void Engine::remove_cells(const std::vector<int64_t>& sorted_positions) {
 
 const Ledger& Engine::ranking_ledger() {
     policy_->refresh_scores(ledger_);
-    if (!policy_->has_recency_terms()) return ledger_;
+    const bool words = config_.eviction_unit == EvictionUnit::word;
+    if (!policy_->has_recency_terms() && !words) return ledger_;
     ranking_ = ledger_;
-    policy_->add_recency_terms(ranking_, next_logical_);  // original positions are logical indices
+    if (policy_->has_recency_terms()) policy_->add_recency_terms(ranking_, next_logical_);  // original positions are logical indices
+    if (words) share_word_scores(ranking_);
     return ranking_;
 }
 
@@ -672,6 +730,13 @@ Ledger Engine::parse_image(const uint8_t* data, size_t size, int64_t* next_logic
         throw std::invalid_argument("kvp engine state was saved with another policy (score columns differ)");
     if (ledger.n_holders() != ledger_.n_holders())
         throw std::invalid_argument("kvp engine state was saved with another number of heads");
+    if (ledger.word_groups() != ledger_.word_groups())
+        throw std::invalid_argument(std::string("kvp engine state was saved with kv_evict_unit='") +
+                                    (ledger.word_groups() ? "word" : "token") + "', this one uses '" +
+                                    eviction_unit_name(config_.eviction_unit) + "'");
+    for (size_t i = 0; i < ledger.size() && ledger.word_groups(); ++i)
+        if (ledger.token(i) < -1 || (ledger.token(i) >= 0 && size_t(ledger.token(i)) >= piece_edges_.size()))
+            throw std::invalid_argument("kvp engine state holds a token id outside the model's vocabulary");
     bool over_budget = !ledger.n_holders() && int64_t(ledger.size()) > config_.budget;
     for (int h = 0; h < ledger.n_holders(); ++h)
         over_budget |= int64_t(ledger.held_count(h, 0, ledger.size())) > config_.budget;

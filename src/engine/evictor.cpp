@@ -23,6 +23,32 @@ const char* head_combine_name(HeadCombine combine) {
     return "unknown";
 }
 
+EvictionUnit eviction_unit_from_name(const std::string& name) {
+    for (EvictionUnit u : {EvictionUnit::token, EvictionUnit::word})
+        if (name == eviction_unit_name(u)) return u;
+    throw std::invalid_argument("unknown eviction unit '" + name + "' (token, word)");
+}
+
+const char* eviction_unit_name(EvictionUnit unit) { return unit == EvictionUnit::word ? "word" : "token"; }
+
+void share_word_scores(Ledger& ledger) {
+    const int n_columns = ledger.n_columns();
+    // entries are in logical order, so a word's cached tokens are adjacent
+    for (size_t first = 0; first < ledger.size();) {
+        size_t end = first + 1;
+        while (end < ledger.size() && ledger.word(end) == ledger.word(first)) ++end;
+        if (end - first > 1)
+            for (int c = 0; c < n_columns; ++c) {
+                float best = -INFINITY;
+                for (size_t i = first; i < end; ++i)
+                    if (std::isfinite(ledger.scores(i)[c])) best = std::max(best, ledger.scores(i)[c]);
+                for (size_t i = first; i < end; ++i)
+                    if (std::isfinite(ledger.scores(i)[c])) ledger.scores(i)[c] = best;
+            }
+        first = end;
+    }
+}
+
 namespace {
 
 // x becomes softmax(x), shifted by its largest value; -inf entries get 0, and all of them 0 when none is finite.

@@ -6,10 +6,12 @@
 
 namespace kvp {
 
-void Ledger::append(int64_t logical, int64_t original_pos, int64_t cache_pos) {
+void Ledger::append(int64_t logical, int64_t original_pos, int64_t cache_pos, int64_t word, int32_t token) {
     logical_.push_back(logical);
     original_pos_.push_back(original_pos);
     cache_pos_.push_back(cache_pos);
+    word_.push_back(word < 0 ? logical : word);
+    token_.push_back(token);
     scores_.resize(scores_.size() + n_columns_, 0.0f);
     holders_.resize(holders_.size() + size_t(n_holders_), 1);
 }
@@ -19,6 +21,11 @@ void Ledger::set_holders(int n_holders) {
     if (n_holders < 0) throw std::invalid_argument("negative holder count");
     n_holders_ = n_holders;
     holders_.clear();
+}
+
+void Ledger::set_word_groups(bool on) {
+    if (!empty()) throw std::logic_error("set_word_groups on a ledger that holds tokens");
+    word_groups_ = on;
 }
 
 bool Ledger::held_by_any(size_t i) const {
@@ -48,6 +55,8 @@ void Ledger::remove(const std::vector<size_t>& sorted_indices) {
             logical_[write] = logical_[read];
             original_pos_[write] = original_pos_[read];
             cache_pos_[write] = cache_pos_[read];
+            word_[write] = word_[read];
+            token_[write] = token_[read];
             std::memmove(scores(write), scores(read), n_columns_ * sizeof(float));
             if (n_holders_)
                 std::memmove(holders_.data() + write * n_holders_, holders_.data() + read * n_holders_, size_t(n_holders_));
@@ -62,6 +71,8 @@ void Ledger::truncate(size_t first) {
     logical_.resize(first);
     original_pos_.resize(first);
     cache_pos_.resize(first);
+    word_.resize(first);
+    token_.resize(first);
     scores_.resize(first * n_columns_);
     holders_.resize(first * size_t(n_holders_));
 }
@@ -74,6 +85,9 @@ namespace {
 constexpr char kLedgerMagic[8] = {'K', 'V', 'P', 'L', 'E', 'D', 'G', '1'};
 // per-head mode: a third header field, n_holders, and after the scores one byte per (entry, head)
 constexpr char kPerHeadLedgerMagic[8] = {'K', 'V', 'P', 'L', 'E', 'D', 'G', '2'};
+// word groups (either mode): the three header fields, and after the cache positions each entry's word (int64) and
+// token id (int32)
+constexpr char kWordLedgerMagic[8] = {'K', 'V', 'P', 'L', 'E', 'D', 'G', '3'};
 
 template <typename T>
 void put(std::vector<uint8_t>& out, const T* values, size_t count) {
@@ -84,31 +98,38 @@ void put(std::vector<uint8_t>& out, const T* values, size_t count) {
 
 std::vector<uint8_t> Ledger::serialize() const {
     std::vector<uint8_t> out;
-    put(out, n_holders_ ? kPerHeadLedgerMagic : kLedgerMagic, 8);
+    put(out, word_groups_ ? kWordLedgerMagic : n_holders_ ? kPerHeadLedgerMagic : kLedgerMagic, 8);
     const uint64_t header[3] = {uint64_t(n_columns_), uint64_t(size()), uint64_t(n_holders_)};
-    put(out, header, n_holders_ ? 3 : 2);
+    put(out, header, n_holders_ || word_groups_ ? 3 : 2);
     put(out, logical_.data(), size());
     put(out, original_pos_.data(), size());
     put(out, cache_pos_.data(), size());
+    if (word_groups_) {
+        put(out, word_.data(), size());
+        put(out, token_.data(), size());
+    }
     put(out, scores_.data(), scores_.size());
     put(out, holders_.data(), holders_.size());
     return out;
 }
 
 Ledger Ledger::deserialize(const uint8_t* data, size_t size) {
+    const bool words = size >= 8 && std::memcmp(data, kWordLedgerMagic, 8) == 0;
     const bool per_head = size >= 8 && std::memcmp(data, kPerHeadLedgerMagic, 8) == 0;
-    const size_t header_bytes = per_head ? 32 : 24;
-    if (size < header_bytes || (!per_head && std::memcmp(data, kLedgerMagic, 8) != 0))
+    const size_t header_bytes = per_head || words ? 32 : 24;
+    if (size < header_bytes || (!per_head && !words && std::memcmp(data, kLedgerMagic, 8) != 0))
         throw std::invalid_argument("not a kvp ledger image");
     uint64_t header[3] = {0, 0, 0};
     std::memcpy(header, data + 8, header_bytes - 8);
     const uint64_t n_columns = header[0], n = header[1], n_holders = header[2];
     if (n_columns == 0 || n_columns > (1u << 20) || n > (uint64_t(1) << 32) || (per_head && n_holders == 0) ||
         n_holders > (1u << 16) ||
-        size != header_bytes + n * (3 * sizeof(int64_t) + n_columns * sizeof(float) + n_holders))
+        size != header_bytes + n * (3 * sizeof(int64_t) + n_columns * sizeof(float) + n_holders +
+                                    (words ? sizeof(int64_t) + sizeof(int32_t) : 0)))
         throw std::invalid_argument("kvp ledger image has inconsistent sizes");
     Ledger ledger{int(n_columns)};
     ledger.n_holders_ = int(n_holders);
+    ledger.word_groups_ = words;
     if (n == 0) return ledger;  // memcpy into an empty vector's null data() is undefined, even for 0 bytes
     ledger.logical_.resize(n);
     ledger.original_pos_.resize(n);
@@ -118,6 +139,20 @@ Ledger Ledger::deserialize(const uint8_t* data, size_t size) {
     for (auto* v : {&ledger.logical_, &ledger.original_pos_, &ledger.cache_pos_}) {
         std::memcpy(v->data(), p, n * sizeof(int64_t));
         p += n * sizeof(int64_t);
+    }
+    if (words) {
+        ledger.word_.resize(n);
+        ledger.token_.resize(n);
+        std::memcpy(ledger.word_.data(), p, n * sizeof(int64_t));
+        p += n * sizeof(int64_t);
+        std::memcpy(ledger.token_.data(), p, n * sizeof(int32_t));
+        p += n * sizeof(int32_t);
+        for (size_t i = 0; i < n; ++i)
+            if (ledger.word_[i] < 0 || ledger.word_[i] > ledger.logical_[i])
+                throw std::invalid_argument("kvp ledger image has a word that starts after its token");
+    } else {
+        ledger.word_ = ledger.logical_;
+        ledger.token_.assign(n, -1);
     }
     std::memcpy(ledger.scores_.data(), p, n * n_columns * sizeof(float));
     p += n * n_columns * sizeof(float);

@@ -53,6 +53,18 @@ bool throws(Fn&& fn) {
     return false;
 }
 
+// Whether Ledger::deserialize refuses the bytes with std::invalid_argument.
+bool ledger_image_rejected(const std::vector<uint8_t>& bytes) {
+    return throws<std::invalid_argument>([&] { kvp::Ledger::deserialize(bytes.data(), bytes.size()); });
+}
+
+// Whether every cut of the image at 0, step, 2 x step ... bytes is refused.
+bool truncations_rejected(const std::vector<uint8_t>& image, size_t step) {
+    for (size_t size = 0; size < image.size(); size += step)
+        if (!ledger_image_rejected(std::vector<uint8_t>(image.begin(), image.begin() + ptrdiff_t(size)))) return false;
+    return true;
+}
+
 std::vector<uint8_t> read_file(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
     if (!in) throw std::runtime_error("cannot open " + path);
@@ -558,16 +570,13 @@ void test_ledger_image() {
     const std::vector<uint8_t> empty = kvp::Ledger(2).serialize();
     CHECK(kvp::Ledger::deserialize(empty.data(), empty.size()).empty());
 
-    auto rejected = [](std::vector<uint8_t> bytes) {
-        return throws<std::invalid_argument>([&] { kvp::Ledger::deserialize(bytes.data(), bytes.size()); });
-    };
+    auto rejected = ledger_image_rejected;
     auto with_u64 = [&](size_t offset, uint64_t value) {
         std::vector<uint8_t> bytes = image;
         std::memcpy(bytes.data() + offset, &value, sizeof value);
         return bytes;
     };
-    for (size_t size = 0; size < image.size(); size += 7)
-        CHECK(rejected(std::vector<uint8_t>(image.begin(), image.begin() + ptrdiff_t(size))));
+    CHECK(truncations_rejected(image, 7));
     std::vector<uint8_t> longer = image;
     longer.push_back(0);
     CHECK(rejected(longer));
@@ -598,11 +607,8 @@ void test_per_head_ledger_image() {
     CHECK(same);
     CHECK(copy.serialize() == image);
 
-    auto rejected = [](std::vector<uint8_t> bytes) {
-        return throws<std::invalid_argument>([&] { kvp::Ledger::deserialize(bytes.data(), bytes.size()); });
-    };
-    for (size_t size = 0; size < image.size(); size += 5)
-        CHECK(rejected(std::vector<uint8_t>(image.begin(), image.begin() + ptrdiff_t(size))));
+    auto rejected = ledger_image_rejected;
+    CHECK(truncations_rejected(image, 5));
     std::vector<uint8_t> no_holders = image;
     const uint64_t zero = 0;
     std::memcpy(no_holders.data() + 24, &zero, sizeof zero);  // n_holders 0 under the per-head magic
@@ -613,6 +619,91 @@ void test_per_head_ledger_image() {
     std::printf("  ledger: per-head image round trip and corrupt images\n");
 }
 
+
+// Word-level eviction: every entry of a word takes, per column, the word's highest finite score; the evictor then
+// drops whole words. Words are told apart by Ledger::word, so a word cut by an earlier eviction stays one word.
+void test_word_scores() {
+    using V = std::vector<size_t>;
+    kvp::Ledger ledger(2);
+    ledger.set_word_groups(true);
+    //  logical   0  1  2  3  4  5  6  7  8  9
+    //  word      0  1  1  1  4  5  5  7  8  9
+    const int64_t word[] = {0, 1, 1, 1, 4, 5, 5, 7, 8, 9};
+    const float column0[] = {9, 1, 6, 2, 3, 5, NAN, 4, 0, 9};
+    for (int64_t i = 0; i < 10; ++i) {
+        ledger.append(i, i, i, word[i], int32_t(100 + i));
+        ledger.scores(size_t(i))[0] = column0[i];
+        ledger.scores(size_t(i))[1] = float(-i);
+    }
+    CHECK(ledger.word(3) == 1 && ledger.token(3) == 103);
+    kvp::Ledger shared = ledger;
+    kvp::share_word_scores(shared);
+    const float expected0[] = {9, 6, 6, 6, 3, 5, NAN, 4, 0, 9};
+    const float expected1[] = {0, -1, -1, -1, -4, -5, -5, -7, -8, -9};
+    bool same = true;
+    for (size_t i = 0; i < 10; ++i) {
+        const float a = shared.scores(i)[0];
+        same = same && (std::isnan(expected0[i]) ? std::isnan(a) : a == expected0[i]) && shared.scores(i)[1] == expected1[i];
+    }
+    CHECK(same);
+    // Column 0 alone: candidates 1..7 (one sink, two recent). The NaN leaves first, then word 4 (3), then word 7
+    // (4); word 1 (6) outranks word 5 (5) as a whole though its tokens 1 and 3 score lowest on their own.
+    kvp::Ledger one(1);
+    one.set_word_groups(true);
+    for (int64_t i = 0; i < 10; ++i) {
+        one.append(i, i, i, word[i]);
+        one.scores(size_t(i))[0] = column0[i];
+    }
+    kvp::share_word_scores(one);
+    const kvp::Protection protection{1, 2};
+    CHECK(kvp::select_victims(one, protection, 1, kvp::HeadCombine::mean) == V{6});
+    CHECK(kvp::select_victims(one, protection, 3, kvp::HeadCombine::mean) == (V{4, 6, 7}));
+    CHECK(kvp::select_victims(one, protection, 4, kvp::HeadCombine::mean) == (V{4, 5, 6, 7}));
+    CHECK(kvp::select_victims(one, protection, 7, kvp::HeadCombine::mean) == (V{1, 2, 3, 4, 5, 6, 7}));
+    // After token 2 is evicted, tokens 1 and 3 are still one word, ranked by the higher of their own scores (2)
+    kvp::Ledger cut = one;
+    for (size_t i = 0; i < 10; ++i) cut.scores(i)[0] = column0[i];
+    cut.remove({2});
+    kvp::share_word_scores(cut);
+    CHECK(cut.word(1) == 1 && cut.word(2) == 1 && cut.scores(1)[0] == 2.0f && cut.scores(2)[0] == 2.0f);
+    CHECK(kvp::eviction_unit_from_name("word") == kvp::EvictionUnit::word);
+    CHECK(std::string(kvp::eviction_unit_name(kvp::EvictionUnit::token)) == "token");
+    CHECK(throws<std::invalid_argument>([] { kvp::eviction_unit_from_name("letter"); }));
+    CHECK(throws<std::logic_error>([&] { cut.set_word_groups(false); }));  // only on an empty ledger
+    std::printf("  evictor: word-level scores\n");
+}
+
+// Word groups travel with the image (a third magic): each entry's word and token id.
+void test_word_ledger_image() {
+    for (int n_holders : {0, 3}) {
+        kvp::Ledger ledger(2);
+        ledger.set_word_groups(true);
+        if (n_holders) ledger.set_holders(n_holders);
+        for (int64_t i = 0; i < 12; ++i) ledger.append(i, i, i, i - i % 3, int32_t(7 * i));
+        ledger.remove({4});
+        const std::vector<uint8_t> image = ledger.serialize();
+        CHECK(std::memcmp(image.data(), "KVPLEDG3", 8) == 0);
+        const kvp::Ledger copy = kvp::Ledger::deserialize(image.data(), image.size());
+        bool same = copy.size() == 11 && copy.word_groups() && copy.n_holders() == n_holders;
+        for (size_t i = 0; same && i < copy.size(); ++i)
+            same = copy.word(i) == ledger.word(i) && copy.token(i) == ledger.token(i) && copy.logical(i) == ledger.logical(i);
+        CHECK(same);
+        CHECK(copy.serialize() == image);
+        CHECK(truncations_rejected(image, 5));
+        std::vector<uint8_t> late_word = image;  // entry 0's word starts after it
+        const int64_t after = 5;
+        std::memcpy(late_word.data() + 32 + 3 * 11 * sizeof(int64_t), &after, sizeof after);
+        CHECK(ledger_image_rejected(late_word));
+    }
+    // Images without words (versions 1 and 2) read as one word per token.
+    kvp::Ledger plain(1);
+    for (int64_t i = 0; i < 4; ++i) plain.append(i, i, i);
+    const std::vector<uint8_t> image = plain.serialize();
+    CHECK(std::memcmp(image.data(), "KVPLEDG1", 8) == 0);
+    const kvp::Ledger copy = kvp::Ledger::deserialize(image.data(), image.size());
+    CHECK(!copy.word_groups() && copy.word(3) == 3 && copy.token(3) == -1);
+    std::printf("  ledger: word image round trip and corrupt images\n");
+}
 }  // namespace
 
 // KeyDiff in per-head mode: each head's anchor is the mean normalised key over the tokens that head holds, and
@@ -686,6 +777,8 @@ int main(int argc, char** argv) {
         test_evictor_per_head();
         test_ledger_image();
         test_per_head_ledger_image();
+        test_word_scores();
+        test_word_ledger_image();
         test_keydiff_per_head();
     } catch (const std::exception& e) {
         std::fprintf(stderr, "test_core: unexpected exception: %s\n", e.what());
