@@ -189,7 +189,6 @@ class Llama(llama_cpp.Llama):
         self._kvp_owner: Optional[int] = None  # the thread using this instance (see _use)
         self._kvp_depth = 0
         self._kvp_guard = threading.Lock()
-        self._kvp_words = False  # word-level eviction: the engine needs each batch's token ids
         if kv_position_mode is None:
             kv_position_mode = "original" if kv_mode == "per_head" else "compact"
         self._kvp_args = dict(
@@ -227,7 +226,6 @@ class Llama(llama_cpp.Llama):
         self._check_kv_cache_fits(int(budget))
         self._recreate_context(engine, int(budget))
         self._kvp_engine = engine
-        self._kvp_words = kv_evict_unit == "word"
         self._n_ctx = int(kv_max_tokens)
 
     # --- construction -------------------------------------------------------------------------------------------
@@ -387,7 +385,7 @@ class Llama(llama_cpp.Llama):
             batch = tokens[start : start + engine.next_batch_size(len(tokens) - start, self.n_batch)]
             start += len(batch)
             n_past, n = self.n_tokens, len(batch)
-            first_position = engine.begin_batch(n, batch if self._kvp_words else None)
+            first_position = engine.begin_batch(n, batch)  # token ids: word-level eviction groups them into words
             try:
                 self._batch.set_batch(batch=batch, n_past=first_position, logits_all=self._logits_all)
                 self._ctx.decode(self._batch)
