@@ -136,7 +136,7 @@ def test_errors_name_the_problem(tmp_path, capsys):
         compare.main([str(log), "--series", "tova"])
     empty = tmp_path / "empty.samples.jsonl"
     empty.write_text("")
-    with pytest.raises(SystemExit, match="no task results"):
+    with pytest.raises(SystemExit, match="no results"):
         compare.main([str(empty)])
     # a log of policy runs without the full cache, which every table pairs against
     no_full = tmp_path / "policies.samples.jsonl"
@@ -175,3 +175,47 @@ def test_agreement_pairs_each_series_text_with_the_full_caches(tmp_path, capsys)
     bare.write_text("".join(json.dumps({k: v for k, v in line.items() if k != "prediction"}) + "\n" for line in lines))
     with pytest.raises(SystemExit, match="no generated text"):
         compare.main([str(bare), "--agreement"])
+
+
+def nll_record(index, policy, budget, nll, protocol="oneshot"):
+    return {"model": "m.gguf", "protocol": protocol, "variant": "continuation", "task": "ppl:chats", "length": 1024,
+            "index": index, "policy": policy, "kv_mode": "shared", "budget": budget, "metric": "mean_nll",
+            "score": nll}
+
+
+def test_perplexity_runs_are_paired_with_lower_as_better(tmp_path, capsys):
+    nll = {  # index: (full, kvp@256, streaming@256)
+        0: (0.5, 0.6, 0.7),
+        1: (0.5, 0.8, 0.6),
+        2: (0.5, 0.55, 0.65),
+    }
+    lines = [nll_record(i, policy, budget, value) for i, values in nll.items()
+             for policy, budget, value in zip(("full", KVP, "streaming"), (None, 256, 256), values)]
+    lines.append(record("easy", 0, "full", None, 100))  # a task result of another panel in the same log
+    log, out_json = tmp_path / "ppl.samples.jsonl", tmp_path / "cmp.json"
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = compare.compare(compare.read_logs([str(log)]), "kvp:x", min_full=30)[("oneshot", "continuation", 1024)]
+    assert result["lower_is_better"] and result["metric"] == "mean_nll"
+    assert result["tasks"] == ["ppl:chats"]  # the full-cache threshold of task scores does not apply
+    assert result["full"]["mean"] == pytest.approx(0.5)
+    assert result["series"]["kvp:x"]["256"]["mean"] == pytest.approx(0.65)
+    paired = result["paired"]["streaming"]["256"]  # kvp - streaming per chat: -0.1, +0.2, -0.1
+    assert paired["mean"] == pytest.approx(0.0)
+    assert paired["stderr"] == pytest.approx(math.sqrt((0.01 + 0.04 + 0.01) / 2 / 3))
+    assert (paired["n"], paired["better"], paired["worse"]) == (3, 2, 1)  # lower NLL is better
+    assert result["perplexity_vs_full"]["kvp:x"]["256"] == pytest.approx(math.exp(0.15) - 1)
+    assert result["perplexity_vs_full"]["streaming"]["256"] == pytest.approx(math.exp(0.15) - 1)
+    assert compare.main([str(log), "--agreement", "--json", str(out_json)]) == 0  # no text to agree on: skipped
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "only the full cache's results" in captured.err  # the task panel holds nothing to compare
+    assert "lower is better" in text and "| **kvp:x** | 0.650 |" in text and "± 0.100 (2/1)" in text
+    assert "| kvp:x | +16.2% |" in text and "tasks where the full cache" not in text
+    panels = json.loads(out_json.read_text())["panels"]
+    assert "full_at_least" not in panels["oneshot/continuation/1024"]
+    # perplexity and task scores never share a table
+    mixed = tmp_path / "mixed.samples.jsonl"
+    mixed.write_text("".join(json.dumps(dict(line, variant="continuation", length=1024, task="ppl:chats")) + "\n"
+                             for line in [record("x", 0, KVP, 256, 50)]) + log.read_text())
+    with pytest.raises(SystemExit, match="mixes perplexity"):
+        compare.main([str(mixed)])

@@ -17,6 +17,10 @@ Markdown:
   same sample (difflib's similarity ratio, 0-100), which separates what eviction changed from what the model gets
   wrong anyway on tasks the full cache fails.
 
+Perplexity runs (``kvp-bench --text``: records whose metric is ``mean_nll``, nats per token) get the same tables,
+paired over the texts, where lower is better: a sample counts as better for the reference when its NLL is lower,
+and each series' perplexity is also given relative to the full cache's, exp(NLL − NLL_full) − 1.
+
 A series is a policy in a KV mode with, per head, its head consensus when not 0 (``keydiff``, ``keydiff (per
 head)``, ``kvp:x (per head w=0.9)``; per-head records written before kvp-bench recorded the consensus count as 0), and
 with ``--evict-unit word`` a ``(words)`` suffix (``kvp:x (words)``).
@@ -37,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .plot import PER_HEAD_SUFFIX, WORDS_SUFFIX, short_label
 
 FULL = "full"
+NLL = "mean_nll"  # kvp-bench's perplexity metric: mean negative log-likelihood, nats per token
 Panel = Tuple[str, str, int]  # protocol, variant, length
 Sample = Tuple[str, int]      # task, index
 
@@ -63,7 +68,7 @@ def read_logs(paths: Sequence[str]) -> List[dict]:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if not isinstance(record, dict) or "score" not in record or record.get("metric") == "mean_nll":
+                if not isinstance(record, dict) or "score" not in record:
                     continue
                 record["series"] = FULL if record["policy"] == FULL else series_name(record, tag)
                 key = (record.get("protocol"), record.get("variant"), record.get("length"), record["task"],
@@ -93,10 +98,14 @@ def compare_panel(records: Sequence[dict], reference: Optional[str], budgets: Op
         if r["series"] != FULL:
             series_budgets[r["series"]].add(r["budget"])
     all_budgets = sorted(set(budgets) if budgets else set().union(*series_budgets.values()))
+    metrics = {r.get("metric") for r in records}
+    lower_is_better = NLL in metrics
+    if lower_is_better and len(metrics) > 1:
+        raise SystemExit(f"{panel_of(records[0])} mixes perplexity (mean_nll) with task scores {sorted(metrics - {NLL})}")
     series = sorted(series_budgets, key=lambda s: (s != reference, s))
     samples = sorted({(r["task"], r["index"]) for r in records}, key=lambda s: (s[1], s[0]))
-    complete = [s for s in samples
-                if (FULL, None) + s in score and all((n, b) + s in score for n in series for b in all_budgets)]
+    complete = [s for s in samples if series and (FULL, None) + s in score
+                and all((n, b) + s in score for n in series for b in all_budgets)]
     if max_samples > 0:  # the first N complete samples of each task, by index
         kept, taken = [], collections.Counter()
         for task, index in complete:
@@ -107,16 +116,21 @@ def compare_panel(records: Sequence[dict], reference: Optional[str], budgets: Op
     tasks = sorted({t for t, _ in complete})
     per_task = collections.Counter(t for t, _ in complete)
     full = {t: sum(score[(FULL, None, t, i)] for u, i in complete if u == t) / per_task[t] for t in tasks}
-    if min_full is not None:  # a mean of thirds that should be 30 may come out as 29.999...
+    if min_full is not None and not lower_is_better:  # a mean of thirds that should be 30 may come out as 29.999...
         tasks = [t for t in tasks if full[t] >= min_full - 1e-9]
         complete = [s for s in complete if s[0] in tasks]
 
     result = {"tasks": tasks, "samples_per_task": {t: per_task[t] for t in tasks}, "budgets": all_budgets,
               "full": {"mean": sum(full[t] for t in tasks) / len(tasks) if tasks else float("nan"),
-                       "per_task": {t: full[t] for t in tasks}}}
+                       "per_task": {t: full[t] for t in tasks}},
+              "metric": NLL if lower_is_better else "score", "lower_is_better": lower_is_better}
     paired_with = reference if reference in series_budgets else None
-    result.update(_means_and_paired(score, series, all_budgets, tasks, complete, paired_with))
-    if agreement:
+    result.update(_means_and_paired(score, series, all_budgets, tasks, complete, paired_with, lower_is_better))
+    if lower_is_better and tasks:
+        result["perplexity_vs_full"] = {
+            name: {str(b): math.exp(result["series"][name][str(b)]["mean"] - result["full"]["mean"]) - 1.0
+                   for b in all_budgets} for name in series}
+    if agreement and not lower_is_better:  # perplexity runs generate no text
         answer = {(r["series"], r.get("budget"), r["task"], r["index"]): r for r in records}
         similarity = {(n, b) + s: agreement_with_full(answer[(FULL, None) + s], answer[(n, b) + s])
                       for n in series for b in all_budgets for s in complete}
@@ -141,9 +155,11 @@ def _text_similarity(a: str, b: str) -> float:
 
 
 def _means_and_paired(value: Dict[tuple, float], series: Sequence[str], budgets: Sequence[int],
-                      tasks: Sequence[str], complete: Sequence[Sample], reference: Optional[str]) -> dict:
+                      tasks: Sequence[str], complete: Sequence[Sample], reference: Optional[str],
+                      lower_is_better: bool = False) -> dict:
     """Each series' mean over tasks of its task means at every budget, and the reference minus each other series,
-    paired over the complete samples. ``value`` maps (series, budget, task, index) to a number."""
+    paired over the complete samples. ``value`` maps (series, budget, task, index) to a number. "better" counts
+    the samples where the reference's value is higher, or lower with ``lower_is_better`` (perplexity)."""
     def task_mean(name: str, budget, task: str) -> float:
         values = [value[(name, budget, t, i)] for t, i in complete if t == task]
         return sum(values) / len(values)
@@ -161,9 +177,10 @@ def _means_and_paired(value: Dict[tuple, float], series: Sequence[str], budgets:
             for b in budgets:
                 differences = [value[(reference, b) + s] - value[(name, b) + s] for s in complete]
                 mean, stderr = mean_and_stderr(differences)
+                higher, lower = sum(d > 0 for d in differences), sum(d < 0 for d in differences)
                 result["paired"][name][str(b)] = {
                     "mean": mean, "stderr": stderr, "n": len(differences),
-                    "better": sum(d > 0 for d in differences), "worse": sum(d < 0 for d in differences)}
+                    "better": lower if lower_is_better else higher, "worse": higher if lower_is_better else lower}
     return result
 
 
@@ -183,11 +200,13 @@ def why_no_sample_is_complete(records: Sequence[dict], panel: Panel) -> str:
     if not any(r["series"] == FULL and panel_of(r) == panel for r in records):
         return ("the logs hold no full-cache result for it (policy 'full'), which every table pairs against: "
                 "add the log of a run with --policies full")
+    if all(r["series"] == FULL for r in records if panel_of(r) == panel):
+        return "the logs hold only the full cache's results for it"
     return "no sample is complete for every series and budget"
 
 
-def _number(x: float) -> str:
-    return "–" if x != x else f"{x:.1f}"
+def _number(x: float, digits: int = 1) -> str:
+    return "–" if x != x else f"{x:.{digits}f}"
 
 
 def markdown(panel: Panel, result: dict, reference: Optional[str], title: str = "") -> str:
@@ -195,7 +214,14 @@ def markdown(panel: Panel, result: dict, reference: Optional[str], title: str = 
     n = sum(result["samples_per_task"].values())
     lines = [f"### {panel[0]}, {panel[1]}, {panel[2]} tokens{title}: {len(result['tasks'])} tasks, {n} samples "
              f"complete for every series", ""]
-    lines += _tables(result, budgets, reference, full_row=result["full"])
+    if result.get("lower_is_better"):
+        lines += ["Mean negative log-likelihood, nats per token (lower is better):", ""]
+    lines += _tables(result, budgets, reference, full_row=result["full"], digits=3 if result.get("lower_is_better") else 1)
+    if "perplexity_vs_full" in result:
+        lines += ["", "Perplexity relative to the full cache's, exp(NLL − NLL_full) − 1:", "",
+                  "| series | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+        for name, by_budget in result["perplexity_vs_full"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{100 * by_budget[str(b)]:+.1f}%" for b in budgets) + " |")
     if "agreement" in result:
         lines += ["", "Agreement with the full cache's answer on the same samples (difflib similarity of the generated "
                   "texts, 0-100; 100: the same text):", ""]
@@ -204,29 +230,29 @@ def markdown(panel: Panel, result: dict, reference: Optional[str], title: str = 
 
 
 def _tables(result: dict, budgets: Sequence[int], reference: Optional[str], full_row: Optional[dict] = None,
-            tasks: Optional[Sequence[str]] = None) -> List[str]:
+            tasks: Optional[Sequence[str]] = None, digits: int = 1) -> List[str]:
     """Means per series and budget, the paired differences, and each task's means."""
     tasks = result["tasks"] if tasks is None else tasks
     lines = ["| series | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for name, by_budget in result["series"].items():
         label = f"**{name}**" if name == reference else name
-        lines.append(f"| {label} | " + " | ".join(_number(by_budget[str(b)]["mean"]) for b in budgets) + " |")
+        lines.append(f"| {label} | " + " | ".join(_number(by_budget[str(b)]["mean"], digits) for b in budgets) + " |")
     if full_row is not None:
-        lines.append(f"| full cache | {_number(full_row['mean'])} |" + " |" * (len(budgets) - 1))
+        lines.append(f"| full cache | {_number(full_row['mean'], digits)} |" + " |" * (len(budgets) - 1))
     if result["paired"]:
         lines += ["", f"{reference} minus each series, paired (mean ± standard error; samples better / worse):", "",
                   "| vs | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
         for name, by_budget in result["paired"].items():
-            cells = [f"{d['mean']:+.1f} ± {d['stderr']:.1f} ({d['better']}/{d['worse']})"
+            cells = [f"{d['mean']:+.{digits}f} ± {d['stderr']:.{digits}f} ({d['better']}/{d['worse']})"
                      for d in (by_budget[str(b)] for b in budgets)]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "| series | budget | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
     if full_row is not None:
-        lines.append("| full cache | | " + " | ".join(_number(full_row["per_task"][t]) for t in tasks) + " |")
+        lines.append("| full cache | | " + " | ".join(_number(full_row["per_task"][t], digits) for t in tasks) + " |")
     for name, by_budget in result["series"].items():
         for b in budgets:
             lines.append(f"| {name} | {b} | " +
-                         " | ".join(_number(by_budget[str(b)]["per_task"][t]) for t in tasks) + " |")
+                         " | ".join(_number(by_budget[str(b)]["per_task"][t], digits) for t in tasks) + " |")
     return lines
 
 
@@ -257,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(f"no series {sorted(unknown)} in the logs; they hold {sorted({r['series'] for r in records})}")
         records = [r for r in records if r["series"] in keep]
     if not records:
-        raise SystemExit("the logs hold no task results")
+        raise SystemExit("the logs hold no results")
     names = sorted({r["series"] for r in records} - {FULL})
     reference = args.reference or next((s for s in names if s.startswith("kvp:")), None)
     if reference is not None and reference not in names:
@@ -277,8 +303,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if solvable["tasks"] and solvable["tasks"] != result["tasks"]:
             print(markdown(panel, solvable, reference, f", tasks where the full cache scores ≥ {args.min_full:g}"))
             print()
-        out["/".join(map(str, panel))] = {"all_tasks": result, "full_at_least": {"min_full": args.min_full,
-                                                                                  **solvable}}
+        key = "/".join(map(str, panel))
+        out[key] = {"all_tasks": result}
+        if not result["lower_is_better"]:  # a full-cache score threshold means nothing for perplexity
+            out[key]["full_at_least"] = {"min_full": args.min_full, **solvable}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"logs": args.logs, "reference": reference, "panels": out}, f, indent=2)
