@@ -38,10 +38,9 @@ import math
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .plot import PER_HEAD_SUFFIX, WORDS_SUFFIX, short_label
+from .plot import PER_HEAD_SUFFIX, PERPLEXITY_METRIC as NLL, WORDS_SUFFIX, short_label
 
 FULL = "full"
-NLL = "mean_nll"  # kvp-bench's perplexity metric: mean negative log-likelihood, nats per token
 Panel = Tuple[str, str, int]  # protocol, variant, length
 Sample = Tuple[str, int]      # task, index
 
@@ -101,7 +100,8 @@ def compare_panel(records: Sequence[dict], reference: Optional[str], budgets: Op
     metrics = {r.get("metric") for r in records}
     lower_is_better = NLL in metrics
     if lower_is_better and len(metrics) > 1:
-        raise SystemExit(f"{panel_of(records[0])} mixes perplexity (mean_nll) with task scores {sorted(metrics - {NLL})}")
+        raise SystemExit(f"{panel_of(records[0])} mixes perplexity (mean_nll) with task scores "
+                         f"{sorted(metrics - {NLL})}")
     series = sorted(series_budgets, key=lambda s: (s != reference, s))
     samples = sorted({(r["task"], r["index"]) for r in records}, key=lambda s: (s[1], s[0]))
     complete = [s for s in samples if series and (FULL, None) + s in score
@@ -216,7 +216,8 @@ def markdown(panel: Panel, result: dict, reference: Optional[str], title: str = 
              f"complete for every series", ""]
     if result.get("lower_is_better"):
         lines += ["Mean negative log-likelihood, nats per token (lower is better):", ""]
-    lines += _tables(result, budgets, reference, full_row=result["full"], digits=3 if result.get("lower_is_better") else 1)
+    digits = 3 if result.get("lower_is_better") else 1
+    lines += _tables(result, budgets, reference, full_row=result["full"], digits=digits)
     if "perplexity_vs_full" in result:
         lines += ["", "Perplexity relative to the full cache's, exp(NLL − NLL_full) − 1:", "",
                   "| series | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
