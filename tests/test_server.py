@@ -231,6 +231,74 @@ def test_completions_route_and_stats_endpoint(server):
     assert server.get("/v1/models")["data"]
 
 
+# --- per-head mode -----------------------------------------------------------------------------------------------
+
+
+def _environment(per_head: bool):
+    from kvp_cpp import _llama_lib
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_CPP_LIB_PATH", _llama_lib.ENV_SELECT)}
+    if per_head:
+        env[_llama_lib.ENV_SELECT] = "per_head"
+    return env
+
+
+def test_per_head_mode_serves_interleaved_conversations(tmp_path):
+    """--kv-mode per_head with the patched llama.cpp: two conversations alternate turn by turn, far beyond a
+    64-cell budget; every turn continues its conversation from the saved per-head state, and no head holds more
+    than the budget."""
+    from kvp_cpp import _llama_lib
+    from kvp_cpp.server.spawn import ServerProcess, environment_threads
+
+    if not _llama_lib.is_built():
+        pytest.skip(f"the patched llama.cpp is not built; run `{_llama_lib.BUILD_COMMAND}`")
+    args = ["--kv-budget", str(SMALL_BUDGET), "--n_ctx", str(SMALL_BUDGET), "--kv-mode", "per_head",
+            "--kv-conversations", "4"] + environment_threads()  # fmt: skip
+    with ServerProcess(args, log_path=str(tmp_path / "server.log"), env=_environment(True)) as server:
+        client = _client(server)
+        chats = [[{"role": "user", "content": f"Tell me about the {topic}."}] for topic in ("sea", "mountains")]
+        matches = []
+        for _turn in range(3):
+            for messages in chats:
+                raw = client.chat.completions.with_raw_response.create(model="local", messages=messages,
+                                                                       max_tokens=24, temperature=0)  # fmt: skip
+                reply = raw.parse().choices[0].message.content
+                assert reply is not None
+                matches.append(raw.headers["x-kv-match"])
+                assert int(raw.headers["x-kv-cells-used"]) <= SMALL_BUDGET
+                messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
+        stats = server.get("/kv/stats")
+        cache = server.get("/kv/cache")
+        raw = client.chat.completions.with_raw_response.create(model="local", messages=chats[0], max_tokens=48,
+                                                               temperature=0)  # fmt: skip
+        chats[0] += [{"role": "assistant", "content": raw.parse().choices[0].message.content},
+                     {"role": "user", "content": "Go on."}]
+        # regenerating the first chat's last reply: a fork that cuts the reply's tokens off again, or, where the heads
+        # kept different tokens of it, evaluates the prompt anew
+        again = client.chat.completions.with_raw_response.create(model="local", messages=chats[0][:-2],
+                                                                 max_tokens=24, temperature=0)  # fmt: skip
+        assert again.parse().choices[0].message.content is not None
+        after = server.get("/kv/stats")
+    assert again.headers["x-kv-match"] == "forked" and int(again.headers["x-kv-cells-used"]) <= SMALL_BUDGET
+    assert after["kv"]["consistent"] and after["conversations"]["inconsistent"] == 0
+    print(f"\nper-head server store: {after['conversations']}")
+    assert after["conversations"]["cut_back"] + after["conversations"]["restarted"] == 1
+    kv, store = stats["kv"], stats["conversations"]
+    assert kv["kv_mode"] == "per_head" and kv["budget"] == SMALL_BUDGET and kv["cells_used"] <= SMALL_BUDGET
+    assert kv["logical_tokens"] > 2 * SMALL_BUDGET and kv["tokens_evicted"] > 0 and kv["consistent"]
+    assert store["restored"] >= 4 and store["inconsistent"] == 0
+    # the heads keep different tokens: together they hold more than one head's cells
+    assert SMALL_BUDGET >= kv["cells_used"] and len(cache["logical"]) > kv["cells_used"]
+
+
+def test_per_head_mode_without_the_patched_library_exits_with_a_message():
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-m", "kvp_cpp.server", "--kv-mode", "per_head", "--kv-budget", "64",
+                          "--n_ctx", "64"], capture_output=True, text=True, timeout=300, env=_environment(False))
+    assert run.returncode == 2 and "KVP_CPP_LLAMA=per_head" in run.stderr and "Traceback" not in run.stderr
+
+
 # --- settings and the command line -------------------------------------------------------------------------------
 
 

@@ -554,6 +554,7 @@ class Llama(llama_cpp.Llama):
             raise RuntimeError("this Llama is closed")
         stats = dict(self._kvp_engine.stats())
         stats["policy"] = self._kvp_engine.policy_name
+        stats["kv_mode"] = self._kvp_args["kv_mode"]
         stats["n_ctx_cells"] = int(llama_cpp.llama_n_ctx(self._ctx.ctx))
         stats["kv_bytes_allocated"] = int(
             _core.kv_cache_bytes(_address(self._model.model), stats["n_ctx_cells"], self.context_params.type_k,

@@ -77,7 +77,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(error, file=sys.stderr)
         sys.exit(2)
     fix_mmap_threshold()
-    app = create_app(server_settings=server_settings, model_settings=model_settings)
+    try:
+        app = create_app(server_settings=server_settings, model_settings=model_settings)
+    except (ValueError, RuntimeError) as error:  # the model and its kv_* settings, refused when loading
+        print(f"python -m kvp_cpp.server: {error}", file=sys.stderr)
+        sys.exit(2)
     uvicorn.run(app, host=server_settings.host, port=server_settings.port, ssl_keyfile=server_settings.ssl_keyfile,
                 ssl_certfile=server_settings.ssl_certfile)
 

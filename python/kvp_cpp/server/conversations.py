@@ -105,7 +105,7 @@ class ConversationStore:
         self._items: "OrderedDict[str, Conversation]" = OrderedDict()
         self.live: Optional[Conversation] = None
         self.counters = dict(requests=0, continued=0, forked=0, new=0, untracked=0, switches=0, saved=0, restored=0,
-                             dropped=0, cut_back=0, inconsistent=0)  # fmt: skip
+                             dropped=0, cut_back=0, restarted=0, inconsistent=0)  # fmt: skip
 
     def __len__(self) -> int:
         return len(self._items)
@@ -290,8 +290,12 @@ class ConversationLlama(Llama):
         store.counters[match] += 1
         # llama-cpp-python evaluates at least the prompt's last token again (it needs fresh logits).
         reused = min(matched, len(tokens) - 1, self.n_tokens)
-        if reused < self.n_tokens and match != "new":
-            self._cut_back(reused)
+        if reused < self.n_tokens and match != "new" and not self._cut_back(reused):
+            # Per head, once the heads hold different tokens past `reused`, no cut keeps one consistent prefix:
+            # the prompt is evaluated again from its start, within the budget.
+            self.kv_engine.reset()
+            self.n_tokens = reused = 0
+            store.counters["restarted"] += 1
         conversation.begin_turn(prompt)
         store.touch(conversation)
         turn = Turn(conversation, match, tokens, reused, int(self.kv_engine.stats()["tokens_seen"]))
@@ -415,19 +419,22 @@ class ConversationLlama(Llama):
         written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, 0)
         return ctypes.string_at(buffer, written)  # slicing a c_uint8 array would build a list of ints
 
-    def _cut_back(self, n: int) -> None:
+    def _cut_back(self, n: int) -> bool:
         """Forgets the logical tokens from ``n`` on, keeping the cache's policy-chosen subset of the ones before
-        (``Engine.forget_from``; ``Engine.truncate`` would refuse once a token before ``n`` was evicted)."""
+        (``Engine.forget_from``; ``Engine.truncate`` would refuse once a token before ``n`` was evicted). False,
+        with nothing changed, where per-head eviction left the heads holding different tokens from ``n`` on."""
         forgets = n < self.kv_engine.logical_length
         if not self.kv_engine.forget_from(n):
-            raise RuntimeError("the engine cannot forget a conversation's tail per head")
+            return False
         self.conversations.counters["cut_back"] += forgets
         self.n_tokens = n
+        return True
 
     # --- introspection ------------------------------------------------------------------------------------------
 
     def cached_tokens(self) -> Dict[str, Any]:
-        """Which tokens of the live conversation the cache holds: their logical indices and token ids."""
+        """Which tokens of the live conversation the cache holds: their logical indices and token ids (per head: the
+        tokens that at least one head holds, so more than ``cells_used``, which counts one head's cells)."""
         with self._use():
             logical = self.kv_engine.ledger()["logical"]
             live = self.conversations.live

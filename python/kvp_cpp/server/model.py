@@ -23,9 +23,10 @@ from .settings import KvpModelSettings
 _SPECIAL = {"model_path", "kv_overrides", "draft_model", "chat_handler", "tokenizer"}
 _LLAMA_ARGUMENTS = [name for name in inspect.signature(llama_cpp.Llama.__init__).parameters
                     if name in KvpModelSettings.model_fields and name not in _SPECIAL]  # fmt: skip
-_KV_ARGUMENTS = ["kv_policy", "kv_budget", "kv_sink", "kv_recent", "kv_position_mode", "kv_evict_fraction",
-                 "kv_head_combine", "kv_evict_unit", "kv_seed", "kv_compact_limit", "kv_max_tokens", "kv_kernel",
-                 "kv_threads", "kv_conversations", "kv_conversation_memory"]  # fmt: skip
+_KV_ARGUMENTS = ["kv_policy", "kv_budget", "kv_sink", "kv_recent", "kv_mode", "kv_head_consensus",
+                 "kv_position_mode", "kv_evict_fraction", "kv_head_combine", "kv_evict_unit", "kv_seed",
+                 "kv_compact_limit", "kv_max_tokens", "kv_kernel", "kv_threads", "kv_conversations",
+                 "kv_conversation_memory"]  # fmt: skip
 _MULTIMODAL_FORMATS = {"llava-1-5", "llava-1-6", "obsidian", "moondream", "nanollava", "llama-3-vision-alpha",
                        "minicpm-v-2.6", "qwen2.5-vl", "mtmd", "gemma4"}  # fmt: skip
 

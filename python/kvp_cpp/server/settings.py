@@ -35,8 +35,20 @@ class KvpModelSettings(ModelSettings):
     kv_budget: int = Field(default=1024, ge=1, description="KV cells the conversation may hold, in tokens.")
     kv_sink: Optional[int] = Field(default=None, ge=0, description="First tokens never evicted (default: the policy's).")
     kv_recent: Optional[int] = Field(default=None, ge=1, description="Last tokens never evicted (default: the policy's).")
-    kv_position_mode: Literal["compact", "original"] = Field(
-        default="compact", description="compact: shift positions down over evicted gaps when needed; original: keep them."
+    kv_mode: Literal["shared", "per_head"] = Field(
+        default="shared",
+        description="shared: one token set for all heads (any llama.cpp); per_head: each (layer, KV head) keeps its own "
+        "tokens, which needs the patched llama.cpp (python -m kvp_cpp.llama_build, then start the server with "
+        "KVP_CPP_LLAMA=per_head in the environment; docs/per_head.md).",
+    )
+    kv_head_consensus: Optional[float] = Field(
+        default=None, ge=0.0, le=1.0,
+        description="per_head: the weight of all heads' vote in each head's ranking (default 0.9; 0: each head alone).",
+    )
+    kv_position_mode: Optional[Literal["compact", "original"]] = Field(
+        default=None,
+        description="compact: shift positions down over evicted gaps when needed; original: keep them (default: "
+        "compact in shared mode, original per head, which requires it).",
     )
     kv_evict_fraction: float = Field(default=0.0625, ge=0.0, le=1.0,
                                      description="A full cache sheds at least this fraction of the budget at once.")

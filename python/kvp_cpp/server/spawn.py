@@ -21,15 +21,18 @@ def free_port() -> int:
 class ServerProcess:
     """``with ServerProcess(["--kv-budget", "128"]) as server:`` ... ``server.url`` is ``http://127.0.0.1:PORT``.
 
-    The server's output goes to ``log_path`` (or is discarded). ``pid`` identifies the child for memory readings.
+    The server's output goes to ``log_path`` (or is discarded); ``env`` replaces the environment (say, to select
+    the patched llama.cpp). ``pid`` identifies the child for memory readings.
     """
 
-    def __init__(self, args: List[str], log_path: Optional[str] = None, timeout: float = 120.0):
+    def __init__(self, args: List[str], log_path: Optional[str] = None, timeout: float = 120.0,
+                 env: Optional[Dict[str, str]] = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "kvp_cpp.server", "--port", str(self.port)] + list(args)
         self.log_path = log_path
         self.timeout = timeout
+        self.env = env
         self.process: Optional[subprocess.Popen] = None
 
     @property
@@ -40,7 +43,7 @@ class ServerProcess:
     def __enter__(self) -> "ServerProcess":
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         try:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()
