@@ -14,7 +14,7 @@ it keeps from turn 1, read in order, spell 4821: GET /kv/cache); per conversatio
 number stayed cached; per configuration the counts and /kv/stats.
 
     python benchmarks/server_retrieval.py [--seeds 5] [--turns 30] [--budget 128] [--max-tokens 8]
-                                          [--json benchmarks/results/server_retrieval.json]
+                                          [--configs kvp,streaming,full] [--json benchmarks/results/server_retrieval.json]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import platform
 import random
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
 
 from kvp_cpp.server.spawn import ServerProcess, environment_threads
 
@@ -52,18 +52,33 @@ def script(seed: int, turns: int) -> List[str]:
     return [FACT] + middle + [QUESTION]
 
 
+DEFAULT_CONFIGURATIONS = ("kvp", "streaming", "full")
+PER_HEAD = ["--kv-mode", "per_head"]  # served with KVP_CPP_LLAMA=per_head (the patched llama.cpp)
+
+
 def configurations(budget: int, full_budget: int) -> Dict[str, List[str]]:
+    capped = ["--kv-budget", str(budget), "--n_ctx", str(budget)]
     return {
-        "kvp": ["--kv-policy", "kvp", "--kv-budget", str(budget), "--n_ctx", str(budget)],
-        "streaming": ["--kv-policy", "streaming", "--kv-budget", str(budget), "--n_ctx", str(budget)],
+        "kvp": ["--kv-policy", "kvp"] + capped,
+        "streaming": ["--kv-policy", "streaming"] + capped,
         # The control: a budget larger than the whole conversation, so the policy never runs.
         "full": ["--kv-policy", "streaming", "--kv-budget", str(full_budget), "--n_ctx", str(full_budget)],
+        "kvp_per_head": ["--kv-policy", "kvp"] + capped + PER_HEAD,
+        "kvp_chat": ["--kv-policy", "kvp-chat"] + capped,
+        "kvp_chat_per_head": ["--kv-policy", "kvp-chat"] + capped + PER_HEAD,
     }
+
+
+def server_environment(server_args: List[str]) -> Optional[Dict[str, str]]:
+    """Per-head configurations need the patched llama.cpp, chosen by the environment when the server starts."""
+    if "per_head" not in server_args:
+        return None
+    return dict(os.environ, KVP_CPP_LLAMA="per_head")
 
 
 def fact_cached(server, turn_one_end: int) -> bool:
     """Whether the tokens the cache holds from turn 1 (the user's fact and the reply repeating it), read in order,
-    spell the number."""
+    spell the number (per head: the tokens that at least one head holds)."""
     cache = server.get("/kv/cache")
     kept = [token for logical, token in zip(cache["logical"], cache["tokens"]) if logical < turn_one_end]
     return NUMBER in server.post("/extras/detokenize", {"tokens": kept})["text"]
@@ -74,7 +89,8 @@ def run_configuration(name: str, server_args: List[str], seeds: List[int], turns
     from openai import OpenAI
 
     start = time.perf_counter()
-    with ServerProcess(server_args + environment_threads(), log_path=log_path) as server:
+    with ServerProcess(server_args + environment_threads(), log_path=log_path,
+                       env=server_environment(server_args)) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
         scripts = {seed: script(seed, turns) for seed in seeds}
         messages: Dict[int, List[Dict[str, str]]] = {seed: [] for seed in seeds}
@@ -118,9 +134,14 @@ def run_configuration(name: str, server_args: List[str], seeds: List[int], turns
 
 
 def run(seeds: List[int], turns: int, budget: int, full_budget: int, max_tokens: int, answer_tokens: int,
-        log_dir: str = None) -> Dict[str, Any]:  # fmt: skip
+        log_dir: str = None, names: Sequence[str] = DEFAULT_CONFIGURATIONS) -> Dict[str, Any]:  # fmt: skip
+    known = configurations(budget, full_budget)
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; known: {sorted(known)}")
     results = {}
-    for name, args in configurations(budget, full_budget).items():
+    for name in names:
+        args = known[name]
         log = os.path.join(log_dir, f"server_{name}.log") if log_dir else None
         results[name] = run_configuration(name, args, seeds, turns, max_tokens, answer_tokens, log)
     return {"config": {"seeds": seeds, "turns": turns, "budget": budget, "full_budget": full_budget,
@@ -149,10 +170,13 @@ def main() -> None:
     parser.add_argument("--full-budget", type=int, default=2048, help="the control's budget (nothing evicted)")
     parser.add_argument("--max-tokens", type=int, default=8, help="longest reply of turns 2..N-1")
     parser.add_argument("--answer-tokens", type=int, default=16, help="longest reply of the first and last turns")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGURATIONS),
+                        help="comma-separated, of kvp, streaming, full, kvp_per_head, kvp_chat, kvp_chat_per_head "
+                             "(per head: python -m kvp_cpp.llama_build first)")
     parser.add_argument("--json", default="benchmarks/results/server_retrieval.json")
     args = parser.parse_args()
     report = run(list(range(args.seeds)), args.turns, args.budget, args.full_budget, args.max_tokens,
-                 args.answer_tokens)  # fmt: skip
+                 args.answer_tokens, names=args.configs.split(","))  # fmt: skip
     report["config"]["command"] = " ".join(sys.argv)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
