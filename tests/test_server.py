@@ -288,7 +288,7 @@ def test_per_head_mode_serves_interleaved_conversations(tmp_path):
     assert kv["logical_tokens"] > 2 * SMALL_BUDGET and kv["tokens_evicted"] > 0 and kv["consistent"]
     assert store["restored"] >= 4 and store["inconsistent"] == 0
     # the heads keep different tokens: together they hold more than one head's cells
-    assert SMALL_BUDGET >= kv["cells_used"] and len(cache["logical"]) > kv["cells_used"]
+    assert len(cache["logical"]) > kv["cells_used"]
 
 
 def test_per_head_mode_without_the_patched_library_exits_with_a_message():
