@@ -25,8 +25,9 @@ import platform
 import random
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
+from kvp_cpp._llama_lib import child_environment
 from kvp_cpp.server.spawn import ServerProcess, environment_threads
 
 NUMBER = "4821"
@@ -69,13 +70,6 @@ def configurations(budget: int, full_budget: int) -> Dict[str, List[str]]:
     }
 
 
-def server_environment(server_args: List[str]) -> Optional[Dict[str, str]]:
-    """Per-head configurations need the patched llama.cpp, chosen by the environment when the server starts."""
-    if "per_head" not in server_args:
-        return None
-    return dict(os.environ, KVP_CPP_LLAMA="per_head")
-
-
 def fact_cached(server, turn_one_end: int) -> bool:
     """Whether the tokens the cache holds from turn 1 (the user's fact and the reply repeating it), read in order,
     spell the number (per head: the tokens that at least one head holds)."""
@@ -90,7 +84,7 @@ def run_configuration(name: str, server_args: List[str], seeds: List[int], turns
 
     start = time.perf_counter()
     with ServerProcess(server_args + environment_threads(), log_path=log_path,
-                       env=server_environment(server_args)) as server:
+                       env=child_environment("per_head" in server_args)) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
         scripts = {seed: script(seed, turns) for seed in seeds}
         messages: Dict[int, List[Dict[str, str]]] = {seed: [] for seed in seeds}

@@ -28,10 +28,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def run_probe(scenario: str, args=None, *, patched: bool, timeout: float = 300):
-    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_CPP_LIB_PATH", _llama_lib.ENV_SELECT)}
-    if patched:
-        env[_llama_lib.ENV_SELECT] = "per_head"
-    out = subprocess.run([sys.executable, str(PROBE), scenario, json.dumps(args or {})], env=env,
+    out = subprocess.run([sys.executable, str(PROBE), scenario, json.dumps(args or {})],
+                         env=_llama_lib.child_environment(patched),
                          capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise AssertionError(f"probe {scenario} failed ({out.returncode}):\n{out.stderr[-4000:]}")
@@ -287,8 +285,7 @@ def test_loader_selects_and_explains(tmp_path):
     stock = run_probe("loader", patched=False)
     assert not stock["patched"] and "KVP_CPP_LLAMA=per_head" in stock["require"]
     # llama_cpp imported before kvp_cpp: the stock library is in, and per-head mode says why it cannot be had
-    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
-    env[_llama_lib.ENV_SELECT] = "per_head"
+    env = _llama_lib.child_environment(True)
     code = ("import llama_cpp, kvp_cpp\nfrom kvp_cpp import per_head\n"
             "try:\n    per_head.enable(0)\nexcept RuntimeError as e:\n    print('ERR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -311,9 +308,8 @@ BENCH_BUDGETS = (64, 1024)  # 1024 holds every prompt: nothing is evicted
 
 def launch_bench(*args: str) -> subprocess.CompletedProcess:
     """kvp-bench through its launcher, which starts the binary on the patched library for --kv-modes per_head."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_CPP_LIB_PATH", _llama_lib.ENV_SELECT)}
     result = subprocess.run([sys.executable, "-m", "kvp_cpp.bench", *args], capture_output=True, text=True,
-                            timeout=600, env=env)
+                            timeout=600, env=_llama_lib.child_environment(False))
     if result.returncode != 0:
         raise AssertionError(f"kvp-bench failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return result

@@ -234,15 +234,6 @@ def test_completions_route_and_stats_endpoint(server):
 # --- per-head mode -----------------------------------------------------------------------------------------------
 
 
-def _environment(per_head: bool):
-    from kvp_cpp import _llama_lib
-
-    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_CPP_LIB_PATH", _llama_lib.ENV_SELECT)}
-    if per_head:
-        env[_llama_lib.ENV_SELECT] = "per_head"
-    return env
-
-
 def test_per_head_mode_serves_interleaved_conversations(tmp_path):
     """--kv-mode per_head with the patched llama.cpp: two conversations alternate turn by turn, far beyond a
     64-cell budget; every turn continues its conversation from the saved per-head state, and no head holds more
@@ -254,7 +245,7 @@ def test_per_head_mode_serves_interleaved_conversations(tmp_path):
         pytest.skip(f"the patched llama.cpp is not built; run `{_llama_lib.BUILD_COMMAND}`")
     args = ["--kv-budget", str(SMALL_BUDGET), "--n_ctx", str(SMALL_BUDGET), "--kv-mode", "per_head",
             "--kv-conversations", "4"] + environment_threads()  # fmt: skip
-    with ServerProcess(args, log_path=str(tmp_path / "server.log"), env=_environment(True)) as server:
+    with ServerProcess(args, log_path=str(tmp_path / "server.log"), env=_llama_lib.child_environment(True)) as server:
         client = _client(server)
         chats = [[{"role": "user", "content": f"Tell me about the {topic}."}] for topic in ("sea", "mountains")]
         matches = []
@@ -294,8 +285,11 @@ def test_per_head_mode_serves_interleaved_conversations(tmp_path):
 def test_per_head_mode_without_the_patched_library_exits_with_a_message():
     import subprocess
 
+    from kvp_cpp import _llama_lib
+
     run = subprocess.run([sys.executable, "-m", "kvp_cpp.server", "--kv-mode", "per_head", "--kv-budget", "64",
-                          "--n_ctx", "64"], capture_output=True, text=True, timeout=300, env=_environment(False))
+                          "--n_ctx", "64"], capture_output=True, text=True, timeout=300,
+                         env=_llama_lib.child_environment(False))
     assert run.returncode == 2 and "KVP_CPP_LLAMA=per_head" in run.stderr and "Traceback" not in run.stderr
 
 

@@ -15,7 +15,7 @@ import os
 import pathlib
 import sys
 import warnings
-from typing import List
+from typing import Dict, List, Mapping, Optional
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
@@ -106,6 +106,20 @@ def select_library() -> str:
                           f"patched build {wanted}")
     os.environ["LLAMA_CPP_LIB_PATH"] = wanted
     return mode
+
+
+def child_environment(per_head: bool, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """The environment for a child Python process that should run the patched (``per_head``) or the stock llama.cpp.
+
+    ``base`` (default ``os.environ``) without ``LLAMA_CPP_LIB_PATH``, which this process may have set when it chose
+    the patched build and which would otherwise override the child's own choice, and with ``KVP_CPP_LLAMA`` set to
+    ``per_head`` or removed.
+    """
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if k not in ("LLAMA_CPP_LIB_PATH", ENV_SELECT)}
+    if per_head:
+        env[ENV_SELECT] = "per_head"
+    return env
 
 
 def loaded_library_is_patched(symbol: str = "llama_kvp_enable") -> bool:
