@@ -234,10 +234,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             configs += [(name, mode, b) for name in ORACLES for mode in ("shared", "per_head") for b in args.budgets]
             todo = [c for c in configs if (index, c[0], c[1], c[2]) not in done]
             keep = {}
+            L, H = evaluator.per_head.n_layer(evaluator.llm), evaluator.per_head.n_head_kv(evaluator.llm)
             if any(policy in ORACLES for policy, _, _ in todo):
                 targets = dict(zip(ORACLES, importance_of(capture, window, args.ctx, args.cont)))
+                if targets["oracle"].shape[:2] != (L, H):
+                    raise SystemExit(f"the model has {targets['oracle'].shape[0]} attention layers but its per-head "
+                                     f"cache holds {L}: models with sliding-window layers are not supported")
                 keep = {(name, b): oracle_keep(targets[name], b) for name in ORACLES for b in args.budgets}
-            L, H = evaluator.per_head.n_layer(evaluator.llm), evaluator.per_head.n_head_kv(evaluator.llm)
             for policy, mode, budget in todo:
                 start = time.perf_counter()
                 if policy == "full":

@@ -19,7 +19,7 @@ def test_oracle_keeps_each_heads_top_tokens_and_the_shared_sum_of_shares():
     rng = np.random.default_rng(3)
     L, H, n, budget = 2, 3, 60, 31
     importance = rng.gamma(0.5, size=(L, H, n))
-    importance[0, 0, 7] = 1e6  # one head's huge score must not outvote the others in the shared set
+    importance[0, 0, 7] = 1e6  # in the shared sum this counts as one head's share (about 1), not as 1e6
     per_head, shared = oracle.oracle_keep(importance, budget)
     k = budget - oracle.N_SINK - oracle.N_RECENT
     rankable = range(oracle.N_SINK, n - oracle.N_RECENT)
