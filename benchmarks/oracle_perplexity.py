@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+import numpy as np
+
 N_SINK, N_RECENT = 4, 16
 # the attention a token will receive (the paper's target), and that attention times the norm of the token's value
 ORACLES = ("oracle", "oracle-value")
@@ -82,8 +84,6 @@ def windows(llm, path: str, ctx: int, cont: int, max_windows: int):
 
 def oracle_keep(importance, budget: int):
     """(per_head_keep [L, H, k], shared_keep [k]): positions of the rankable tokens kept, k = budget - protected."""
-    import numpy as np
-
     n = importance.shape[-1]
     rankable = np.arange(N_SINK, n - N_RECENT)
     k = budget - N_SINK - N_RECENT
@@ -97,8 +97,6 @@ def oracle_keep(importance, budget: int):
 
 def evicted(keep, n: int):
     """Positions to drop per head, [L, H, n - budget], from the rankable positions kept per head ([L, H, k])."""
-    import numpy as np
-
     L, H, _ = keep.shape
     drop = np.ones((L, H, n), dtype=bool)
     drop[:, :, :N_SINK] = False
@@ -126,8 +124,6 @@ class Evaluator:
         self.n_vocab = self.llm.n_vocab()
 
     def decode(self, tokens: List[int], n_past: int, want_logits: bool):
-        import numpy as np
-
         llama_cpp = self.llama_cpp
         rows = []
         for start in range(0, len(tokens), self.n_batch):
@@ -144,8 +140,6 @@ class Evaluator:
 
     def mean_nll(self, window: List[int], ctx: int, drop) -> float:
         """Prefill window[:ctx - 1], drop ``drop`` ([L, H, m] positions, or None), then the NLL of window[ctx:]."""
-        import numpy as np
-
         llama_cpp = self.llama_cpp
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.llm._ctx.ctx), True)
         self.decode(window[:ctx - 1], 0, want_logits=False)
@@ -166,8 +160,6 @@ class Evaluator:
 def importance_of(capture, window: List[int], ctx: int, cont: int):
     """Two [L, H_kv, ctx - 1] arrays: the attention each prefilled token receives from the ``cont`` queries fed
     after compression, and the same times the norm of the token's value in that head."""
-    import numpy as np
-
     from training.importance import importance
 
     out = capture.run(window[:-1])
@@ -202,8 +194,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     reexec_on_the_patched_library()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # training.importance
 
-    import numpy as np
-
     import kvp_cpp
     from kvp_cpp.capture import TensorCapture
     from tqdm import tqdm
@@ -227,6 +217,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "metric": "mean_nll", "prompt_tokens": args.ctx, "context_tokens": args.ctx - 1,
             "generated_tokens": args.cont}
     n_prefilled = args.ctx - 1
+    L, H = evaluator.per_head.n_layer(evaluator.llm), evaluator.per_head.n_head_kv(evaluator.llm)
     records = list(done.values())
     with open(args.out, "a", encoding="utf-8") as log, tqdm(total=len(items), desc="windows") as bar:
         for index, window in enumerate(items):
@@ -234,7 +225,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             configs += [(name, mode, b) for name in ORACLES for mode in ("shared", "per_head") for b in args.budgets]
             todo = [c for c in configs if (index, c[0], c[1], c[2]) not in done]
             keep = {}
-            L, H = evaluator.per_head.n_layer(evaluator.llm), evaluator.per_head.n_head_kv(evaluator.llm)
             if any(policy in ORACLES for policy, _, _ in todo):
                 targets = dict(zip(ORACLES, importance_of(capture, window, args.ctx, args.cont)))
                 if targets["oracle"].shape[:2] != (L, H):
