@@ -558,3 +558,20 @@ def test_a_base_model_without_chat_template_gets_plain_dialogues():
     expected = "".join(f"User: {m}\nAssistant: reply {5 + t}.\n" for t, m in enumerate(messages))
     assert text == expected
     assert llm.prompts[1] == f"User: {messages[0]}\nAssistant: reply 5.\nUser: {messages[1]}\nAssistant:"
+
+
+def test_calibration_on_traces_undoes_a_planted_rescaling(synthetic, planted_run):
+    from training import calibrate
+
+    traces = TraceSet(synthetic[0])
+    policy = pf.read_policy(planted_run[0])
+    fitted = calibrate.fit_temperatures(traces, policy)
+    shrunk = calibrate.calibrated(policy, {agent: 0.2 for agent in policy.agents})
+    refitted = calibrate.fit_temperatures(traces, shrunk)
+    step = calibrate.DEFAULT_GRID[1] / calibrate.DEFAULT_GRID[0]
+    for agent, t in fitted.items():
+        assert calibrate.DEFAULT_GRID[0] < t < calibrate.DEFAULT_GRID[-1]
+        assert abs(np.log(refitted[agent] / (5.0 * t))) <= np.log(step) + 1e-9  # the same optimum, on a grid point
+    with pytest.raises(ValueError, match="identity"):
+        calibrate.fit_temperatures(traces, pf.read_policy(os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "smollm2-135m-instruct.kvp.bin")))
