@@ -171,14 +171,12 @@ class Evaluator:
 def observed_importance(q, k, n_prefilled: int, n_observe: int, scale: float):
     """[H_kv, n_prefilled]: the mean attention (max over the GQA group) each prefilled token receives from the
     queries of the last ``n_observe`` prefilled tokens that can see it."""
-    from training.importance import causal_attention
+    from training.importance import causal_attention, received
 
     first = n_prefilled - n_observe
     weights = causal_attention(q[first:n_prefilled], k[:n_prefilled], scale, first)
-    n_head_kv = k.shape[1]
-    grouped = weights.reshape(n_observe, n_head_kv, -1, n_prefilled).max(axis=2).sum(axis=0)
     seen_by = np.minimum(n_observe, n_prefilled - np.arange(n_prefilled))
-    return grouped / seen_by
+    return received(weights, k.shape[1]) / seen_by
 
 
 def importance_of(capture, window: List[int], ctx: int, cont: int, observe: int) -> Dict[str, np.ndarray]:

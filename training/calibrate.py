@@ -21,7 +21,7 @@ import numpy as np
 
 from kvp_cpp import policy_file as pf
 
-from .evaluate import policy_score_fn
+from .evaluate import policy_score_fn, rankable_prefixes, scored_layers
 from .traces import TraceSet, comma_names
 
 DEFAULT_GRID = np.geomspace(1e-2, 1e2, 161)
@@ -40,13 +40,9 @@ def fit_temperatures(traces: TraceSet, policy: pf.PolicyData, *, split: str = "t
                      sources: Optional[Sequence[str]] = None, max_prefixes: Optional[int] = None,
                      grid: np.ndarray = DEFAULT_GRID) -> Dict[Tuple[int, int], float]:
     """{(layer, head): t} minimising each agent's summed listwise loss over a split's prefixes."""
-    if policy.identity() != traces.identity():
-        raise ValueError(f"policy identity {policy.identity()} does not match the traces' {traces.identity()}")
+    layers = scored_layers(policy, traces)
     score = policy_score_fn(policy)
-    layers = [layer for layer in range(policy.n_layer) if policy.layer_scored[layer]]
-    chosen = set(traces.sequences_of(split, sources))
-    prefixes = [(i, cut) for i, cut in traces.prefixes(split)
-                if i in chosen and cut > policy.n_sink + policy.n_recent + 1][:max_prefixes]
+    prefixes = rankable_prefixes(traces, split, sources, policy.n_sink + policy.n_recent, max_prefixes=max_prefixes)
     if not prefixes:
         raise ValueError(f"no prefixes of split {split!r} to calibrate on")
     loss = {agent: np.zeros(len(grid)) for agent in policy.agents}

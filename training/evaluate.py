@@ -32,7 +32,7 @@ from .traces import LayerTrace, TraceSet, comma_names
 
 __all__ = [
     "BUDGETS", "BASELINES", "MODES", "baseline_scores", "evicted_importance", "policy_score_fn", "evaluate", "summary",
-    "plot", "print_table",
+    "plot", "print_table", "scored_layers", "rankable_prefixes",
 ]  # fmt: skip
 
 BUDGETS = tuple(round(0.1 * i, 1) for i in range(1, 10))
@@ -100,6 +100,22 @@ def policy_score_fn(policy: pf.PolicyData) -> Callable[[LayerTrace], np.ndarray]
     return score
 
 
+def scored_layers(policy: pf.PolicyData, traces: TraceSet) -> list:
+    """The layers the policy scores, once it is known to be a policy for the traces' model."""
+    if policy.identity() != traces.identity():
+        raise ValueError(f"policy identity {policy.identity()} does not match the traces' {traces.identity()}")
+    return [layer for layer in range(policy.n_layer) if policy.layer_scored[layer]]
+
+
+def rankable_prefixes(traces: TraceSet, split: str, sources: Optional[Sequence[str]], n_protected: int,
+                      min_cut: int = 0, max_prefixes: Optional[int] = None) -> list:
+    """(sequence, cut) of a split's prefixes (of the given sources, if not None) that leave tokens to rank past the
+    n_protected the evictor never ranks, and hold at least min_cut tokens; the first max_prefixes of them."""
+    chosen = set(traces.sequences_of(split, sources))
+    prefixes = [(i, cut) for i, cut in traces.prefixes(split) if i in chosen and cut > n_protected and cut >= min_cut]
+    return prefixes[:max_prefixes]
+
+
 def evaluate(
     traces: TraceSet,
     policy: Optional[pf.PolicyData] = None,
@@ -114,19 +130,13 @@ def evaluate(
     """Normalised eviction costs of the policy (if given), the baselines and the oracle on one split (of the given
     trace sources only, if sources is not None)."""
     if policy is not None:
-        if policy.identity() != traces.identity():
-            raise ValueError(f"policy identity {policy.identity()} does not match the traces' {traces.identity()}")
         n_sink, n_recent = policy.n_sink, policy.n_recent
-        scored = [layer for layer in range(policy.n_layer) if policy.layer_scored[layer]]
+        scored = scored_layers(policy, traces)
         layers = scored if layers is None else [layer for layer in layers if layer in scored]
     else:
         n_sink, n_recent = DEFAULT_SINK, max(DEFAULT_RECENT, traces.sliding_window)
         layers = traces.global_layers if layers is None else list(layers)
-    chosen = set(traces.sequences_of(split, sources))
-    prefixes = [(i, cut) for i, cut in traces.prefixes(split)
-                if i in chosen and cut > n_sink + n_recent and cut >= min_cut]
-    if max_prefixes is not None:
-        prefixes = prefixes[:max_prefixes]
+    prefixes = rankable_prefixes(traces, split, sources, n_sink + n_recent, min_cut, max_prefixes)
     if not prefixes or not layers:
         raise ValueError(f"nothing to evaluate: {len(prefixes)} prefixes of split {split!r}, layers {layers}")
 

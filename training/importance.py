@@ -36,13 +36,18 @@ def causal_attention(q: np.ndarray, k: np.ndarray, scale: float, first_query: in
     return weights / weights.sum(axis=-1, keepdims=True)
 
 
+def received(weights: np.ndarray, n_head_kv: int) -> np.ndarray:
+    """(n_head_kv, n) attention each key receives: max over each KV head's GQA group, summed over the queries.
+    weights: (m, n_head, n) from causal_attention."""
+    m, n_head, n = weights.shape
+    return weights.reshape(m, n_head_kv, n_head // n_head_kv, n).max(axis=2).sum(axis=0)
+
+
 def importance(q: np.ndarray, k: np.ndarray, cut: int, n_future: int, scale: float,
                window: Optional[int] = None) -> np.ndarray:
     """(n_head_kv, cut) importance of the cached tokens 0..cut-1 from queries cut..cut+n_future-1."""
-    n_head, n_head_kv = q.shape[1], k.shape[1]
     weights = causal_attention(q[cut:cut + n_future], k[:cut + n_future], scale, cut, window)  # (f, n_head, cut+f)
-    grouped = weights[:, :, :cut].reshape(weights.shape[0], n_head_kv, n_head // n_head_kv, cut)
-    return grouped.max(axis=2).sum(axis=0)
+    return received(weights[:, :, :cut], k.shape[1])
 
 
 def attention_output(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
