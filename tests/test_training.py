@@ -413,6 +413,28 @@ def test_resume_equals_an_uninterrupted_run(synthetic, tmp_path):
         run_training(synthetic[0], tmp_path / "split.kvp.bin", "--steps", "16", "--seed", "5", "--resume")
 
 
+def test_init_starts_from_a_trained_policy_and_rejects_one_of_another_shape(synthetic, tmp_path):
+    knots = ["--recency-knots", "4"]
+    first = run_training(synthetic[0], tmp_path / "first.kvp.bin", "--objective", "listwise", "--steps", "12", *knots)
+    still = ["--objective", "rl", "--steps", "1", "--lr", "1e-12", "--min-lr", "1e-12", "--weight-decay", "0", *knots]
+    again = run_training(synthetic[0], tmp_path / "again.kvp.bin", *still, "--init", str(tmp_path / "first.kvp.bin"))
+    fresh = run_training(synthetic[0], tmp_path / "fresh.kvp.bin", *still)
+
+    def arrays(policy, key):
+        agent = policy.agents[key]
+        return [agent.shift, agent.scale, *agent.weights, *agent.biases, policy.recency[key]]
+
+    for key in first.policy.agents:
+        for trained, started in zip(arrays(first.policy, key), arrays(again.policy, key)):
+            np.testing.assert_allclose(started, trained, rtol=0, atol=1e-9)
+    assert not all(np.allclose(a, b) for a, b in zip(arrays(first.policy, key), arrays(fresh.policy, key)))
+    with pytest.raises(ValueError, match="hidden"):
+        run_training(synthetic[0], tmp_path / "x.kvp.bin", *still, "--hidden", "8",
+                     "--init", str(tmp_path / "first.kvp.bin"))
+    with pytest.raises(ValueError, match="n_recency_knots"):
+        run_training(synthetic[0], tmp_path / "x.kvp.bin", *still[:-2], "--init", str(tmp_path / "first.kvp.bin"))
+
+
 def test_resume_with_recency_terms_and_from_a_checkpoint_older_than_them(synthetic, tmp_path):
     steps = ["--steps", "12", "--checkpoint-every", "4", "--recency-knots", "4"]
     run_training(synthetic[0], tmp_path / "full.kvp.bin", *steps)
@@ -456,6 +478,27 @@ def test_pipeline_runs_every_step_on_a_tiny_corpus_and_resumes(tmp_path):
     assert pipeline.main(args) == 0  # a rerun skips the finished steps
     assert json.loads((out / "pipeline.json").read_text())["seconds"]["train"] == trained
     assert (out / "policy.kvp.bin").read_bytes() == installed
+
+
+def test_pipeline_calibrates_an_rl_policy_keeping_each_heads_order(tmp_path):
+    """--objective rl: train, then per-agent temperatures; the per-head held-out cost is the uncalibrated one."""
+    from training import pipeline
+
+    out = tmp_path / "run"
+    args = ["--out", str(out), "--ruler", "0", "--chats", "0", "--text", "5", "--length", "256", "--steps", "3",
+            "--hidden", "4", "-t", "2", "--objective", "rl", "--recency-knots", "0", "--calibration-prefixes", "4"]
+    assert pipeline.main(args) == 0
+    record = json.loads((out / "pipeline.json").read_text())
+    assert set(record["seconds"]) == {"traces", "train", "calibrate", "onnx"}
+    raw, tuned = pf.read_policy(out / "policy.uncalibrated.kvp.bin"), pf.read_policy(out / "policy.kvp.bin")
+    assert "calibration" in tuned.metadata and "calibration" not in raw.metadata
+    assert any(not np.array_equal(raw.agents[a].weights[-1], tuned.agents[a].weights[-1]) for a in raw.agents)
+    before = json.loads((out / "heldout.uncalibrated.json").read_text())
+    after = json.loads((out / "heldout.json").read_text())
+    assert after["per_head"]["kvp"]["mean_over_budgets"] == pytest.approx(
+        before["per_head"]["kvp"]["mean_over_budgets"], rel=1e-6)
+    assert record["heldout_mean_cost"]["shared"]["kvp"] == after["shared"]["kvp"]["mean_over_budgets"]
+    assert pipeline.same_policy(str(out / "policy.kvp.bin"), str(out / "policy.from_onnx.kvp.bin"))
 
 
 # --- trace capture: cut points ------------------------------------------------------------------------------------

@@ -45,9 +45,10 @@ __all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "train", 
 RUN_KEYS = (
     "objective", "hidden", "activation", "steps", "seed", "lr", "min_lr", "warmup", "weight_decay", "clip",
     "samples", "prefixes_per_step", "layers", "n_sink", "n_recent", "stat_tokens", "sources", "recency_knots",
+    "init",
 )  # fmt: skip
 # Run keys added after some checkpoints were written, with the value those runs had.
-NEWER_RUN_KEYS = {"sources": None, "recency_knots": 0}
+NEWER_RUN_KEYS = {"sources": None, "recency_knots": 0, "init": None}
 
 
 OBJECTIVES = ("rl", "supervised", "listwise")
@@ -92,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "0 (default): none, scores depend on the token alone")
     parser.add_argument("--stat-tokens", type=int, default=65536,
                         help="training tokens (evenly strided) that the input normalisation is computed from")
+    parser.add_argument("--init", metavar="POLICY",
+                        help="start from this kvp.bin policy's agents (its weights, input normalisation and recency "
+                             "terms; same model, sizes and --recency-knots) instead of random ones: fine-tuning, "
+                             "for example RL after a listwise run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it)")
     parser.add_argument("--checkpoint", help="checkpoint file (default: OUT.ckpt)")
     parser.add_argument("--checkpoint-every", type=int, default=100)
@@ -207,12 +212,43 @@ class Trainer:
             len(self.layers) * traces.n_head_kv, shift.shape[1], args.hidden, args.activation, shift, scale,
             self.generator, args.recency_knots,
         )  # fmt: skip
+        if args.init:
+            self.load_initial_policy(pf.read_policy(args.init))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(args.warmup, args.steps, args.lr, args.min_lr)
         )
         self.step = 0
         self.elapsed_s = 0.0  # wall time of the run so far, over every resume
+
+    def load_initial_policy(self, policy: pf.PolicyData) -> None:
+        """Copy a trained policy's agents into the model; it must have exactly this run's agents and shapes."""
+        name = self.args.init
+        if policy.identity() != self.traces.identity():
+            raise ValueError(f"--init {name}: policy identity {policy.identity()} does not match the traces' "
+                             f"{self.traces.identity()}")
+        expected = {"hidden": list(self.args.hidden), "activation": self.args.activation,
+                    "pos_features": [tuple(f) for f in self.features], "n_recency_knots": self.args.recency_knots,
+                    "layers": self.layers}
+        found = {"hidden": list(policy.hidden), "activation": policy.activation,
+                 "pos_features": [tuple(f) for f in policy.pos_features], "n_recency_knots": policy.n_recency_knots,
+                 "layers": [layer for layer in range(policy.n_layer) if policy.layer_scored[layer]]}
+        different = {key: (found[key], value) for key, value in expected.items() if found[key] != value}
+        if different:
+            raise ValueError(f"--init {name} does not fit this run (policy's value, this run's): {different}")
+        n_head = self.traces.n_head_kv
+        with torch.no_grad():
+            for slot, layer in enumerate(self.layers):
+                for head in range(n_head):
+                    agent, index = policy.agents[layer, head], slot * n_head + head
+                    self.model.shift[index, 0] = torch.from_numpy(np.asarray(agent.shift, np.float32))
+                    self.model.scale[index, 0] = torch.from_numpy(np.asarray(agent.scale, np.float32))
+                    for weight, bias, w, b in zip(self.model.weights, self.model.biases, agent.weights, agent.biases):
+                        weight[index] = torch.from_numpy(np.asarray(w, np.float32).T)
+                        bias[index, 0] = torch.from_numpy(np.asarray(b, np.float32))
+                    if self.model.recency is not None:
+                        self.model.recency[index] = torch.from_numpy(
+                            np.asarray(policy.recency[layer, head], np.float32))
 
     def sample_prefixes(self) -> list:
         chosen = []
