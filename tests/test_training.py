@@ -180,6 +180,21 @@ def test_baselines_only_evaluation_has_oracle_at_one(synthetic):
         assert np.isfinite(result["per_head"][method]["mean_over_budgets"])
         assert result["per_head"][method]["mean_over_budgets"] > 1.0
     assert np.array(result["per_head"]["random"]["cost"]).shape == (2, 2, len(ev.BUDGETS))
+    assert result["per_head"]["oracle"]["reward"] == -1.0  # the RL reward of the optimal ranking
+    assert all(result["per_head"][method]["reward"] < -1.0 for method in result["methods"][:-1])
+
+
+def test_ranking_reward_is_the_rl_trainers_reward_of_the_greedy_ranking():
+    rng = np.random.default_rng(3)
+    importance = rng.exponential(size=(4, 50)) * (rng.random((4, 50)) < 0.3)
+    importance[3] = 0.0
+    importance[3, 7] = 1.0  # one token with importance: C(σ*) = 0, the reward undefined
+    scores = rng.normal(size=(4, 50))
+    order = torch.from_numpy(np.argsort(-scores, axis=-1, kind="stable"))
+    expected = rl.normalised_rewards(torch.from_numpy(importance), order).numpy()
+    got = ev.ranking_reward(importance, scores)
+    np.testing.assert_allclose(got[:3], expected[:3], rtol=1e-12)
+    assert np.isnan(got[3]) and expected[3] == 0.0
 
 
 def test_min_cut_keeps_only_the_longer_prefixes(synthetic):

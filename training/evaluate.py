@@ -79,6 +79,18 @@ def evicted_importance(importance: np.ndarray, scores: np.ndarray, budgets: Sequ
     return total - kept_at
 
 
+def ranking_reward(importance: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """(H,) −C(σ)/C(σ*) of each head's ranking by score, C(σ) = Σ_r (r−1)·I(σ_r): the importance evicted summed over
+    every budget, the RL trainer's reward (training.rl.normalised_rewards) of the greedy ranking. NaN where
+    C(σ*) = 0 (at most one token has importance)."""
+    ranks = np.arange(importance.shape[-1], dtype=np.float64)
+    importance = importance.astype(np.float64)
+    cost = np.take_along_axis(importance, np.argsort(-scores, axis=-1, kind="stable"), axis=-1) @ ranks
+    best = -np.sort(-importance, axis=-1) @ ranks
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(best > 0, -cost / best, np.nan)
+
+
 def _softmax(scores: np.ndarray) -> np.ndarray:
     shifted = np.exp(scores - scores.max(axis=-1, keepdims=True))
     return shifted / shifted.sum(axis=-1, keepdims=True)
@@ -146,6 +158,7 @@ def evaluate(
     shape = (len(layers), traces.n_head_kv, len(BUDGETS))
     evicted = {mode: {method: np.zeros(shape) for method in methods} for mode in MODES}
     optimal = np.zeros(shape)
+    rewards = {method: [] for method in methods}
 
     for index, cut in prefixes:
         rankable = slice(n_sink, cut - n_recent)
@@ -159,6 +172,7 @@ def evaluate(
                           baseline_scores(method, trace, rng, traces.identity(), n_sink, n_recent))
                 scores = np.asarray(scores, dtype=np.float64)[:, rankable]
                 evicted["per_head"][method][slot] += evicted_importance(importance[slot], scores, BUDGETS)
+                rewards[method].append(ranking_reward(importance[slot], scores))
                 combined[method] = combined[method] + _softmax(scores).sum(axis=0)
         for method in methods:
             for slot in range(len(layers)):
@@ -189,6 +203,8 @@ def evaluate(
                 "mean": _json_floats(mean),
                 "mean_over_budgets": _json_floats(np.nanmean(mean)),
             }
+    for method in methods:
+        result["per_head"][method]["reward"] = _json_floats(np.nanmean(np.concatenate(rewards[method])))
     return result
 
 
@@ -251,6 +267,9 @@ def print_table(result: dict) -> None:
             cells = "".join(f"{value:>9.4g}" if value is not None else "      n/a" for value in entry["mean"])
             mean = entry["mean_over_budgets"]
             print(method.ljust(10) + cells + (f"{mean:>9.4g}" if mean is not None else "      n/a"))
+    if all("reward" in result["per_head"][method] for method in result["methods"]):
+        print("per_head reward, mean -C(σ)/C(σ*) of the ranking by score over all budgets (what RL maximises): " +
+              ", ".join(f"{method} {result['per_head'][method]['reward']:.4f}" for method in result["methods"]))
 
 
 def main(argv=None) -> int:
