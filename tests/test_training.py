@@ -448,6 +448,10 @@ def test_init_starts_from_a_trained_policy_and_rejects_one_of_another_shape(synt
                      "--init", str(tmp_path / "first.kvp.bin"))
     with pytest.raises(ValueError, match="n_recency_knots"):
         run_training(synthetic[0], tmp_path / "x.kvp.bin", *still[:-2], "--init", str(tmp_path / "first.kvp.bin"))
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
+                           "smollm2-135m-instruct.kvp.bin")
+    with pytest.raises(ValueError, match="--init .*policy identity"):  # a policy of another model
+        run_training(synthetic[0], tmp_path / "x.kvp.bin", *still, "--init", shipped)
 
 
 def test_resume_with_recency_terms_and_from_a_checkpoint_older_than_them(synthetic, tmp_path):

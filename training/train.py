@@ -224,15 +224,16 @@ class Trainer:
     def load_initial_policy(self, policy: pf.PolicyData) -> None:
         """Copy a trained policy's agents into the model; it must have exactly this run's agents and shapes."""
         name = self.args.init
-        if policy.identity() != self.traces.identity():
-            raise ValueError(f"--init {name}: policy identity {policy.identity()} does not match the traces' "
-                             f"{self.traces.identity()}")
+        try:
+            layers = ev.scored_layers(policy, self.traces)
+        except ValueError as error:
+            raise ValueError(f"--init {name}: {error}") from None
         expected = {"hidden": list(self.args.hidden), "activation": self.args.activation,
                     "pos_features": [tuple(f) for f in self.features], "n_recency_knots": self.args.recency_knots,
                     "layers": self.layers}
         found = {"hidden": list(policy.hidden), "activation": policy.activation,
                  "pos_features": [tuple(f) for f in policy.pos_features], "n_recency_knots": policy.n_recency_knots,
-                 "layers": [layer for layer in range(policy.n_layer) if policy.layer_scored[layer]]}
+                 "layers": layers}
         different = {key: (found[key], value) for key, value in expected.items() if found[key] != value}
         if different:
             raise ValueError(f"--init {name} does not fit this run (policy's value, this run's): {different}")
