@@ -30,6 +30,7 @@ Records are kvp-bench's per-sample records, so ``python -m kvp_cpp.compare`` pai
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -133,6 +134,7 @@ class Evaluator:
         per_head.enable(self.llm)
         self.n_batch = n_batch
         self.n_vocab = self.llm.n_vocab()
+        self.prefilled = None
 
     def decode(self, tokens: List[int], n_past: int, want_logits: bool):
         llama_cpp = self.llama_cpp
@@ -149,12 +151,32 @@ class Evaluator:
                 rows.append(np.ctypeslib.as_array(logits, shape=(len(chunk), self.n_vocab)).copy())
         return np.concatenate(rows) if want_logits else None
 
-    def mean_nll(self, window: List[int], ctx: int, drop) -> float:
-        """Prefill window[:ctx - 1], drop ``drop`` ([L, H, m] positions, or None), then the NLL of window[ctx:]."""
-        llama_cpp = self.llama_cpp
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.llm._ctx.ctx), True)
+    def prefill(self, window: List[int], ctx: int) -> None:
+        """Prefills window[:ctx - 1] once and keeps a copy of the context's state, which every mean_nll of this
+        window starts from instead of prefilling again."""
+        llama_cpp, c = self.llama_cpp, self.llm._ctx.ctx
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(c), True)
         self.decode(window[:ctx - 1], 0, want_logits=False)
+        state = (ctypes.c_uint8 * llama_cpp.llama_state_get_size(c))()
+        size = llama_cpp.llama_state_get_data(c, state, len(state))
+        self.prefilled = (list(window[:ctx - 1]), state, size)
+
+    def mean_nll(self, window: List[int], ctx: int, drop) -> float:
+        """From the prefilled window[:ctx - 1] (prefill()), drop ``drop`` ([L, H, m] positions, or None), then the
+        NLL of window[ctx:]."""
+        llama_cpp, c = self.llama_cpp, self.llm._ctx.ctx
+        tokens, state, size = self.prefilled
+        if tokens != list(window[:ctx - 1]):
+            raise AssertionError("mean_nll of a window that was not the last one prefilled")
+        # A whole-state load puts the cells back and gives every head the position of each cell (the patch's
+        # llama_kvp_set_head_pos note): before any eviction that is the state prefill() saved.
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(c), True)
+        if llama_cpp.llama_state_set_data(c, state, size) != size:
+            raise RuntimeError("llama_state_set_data did not restore the prefilled state")
         kept = ctx - 1
+        restored = self.per_head.positions(self.llm, kept)
+        if not (restored == np.arange(kept, dtype=np.int32)).all():
+            raise AssertionError("after the state load the heads do not hold the prefilled positions 0 .. ctx - 2")
         if drop is not None:
             self.per_head.evict(self.llm, drop)
             kept -= drop.shape[2]
@@ -249,6 +271,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             configs += [(name, mode, b) for name in RANKINGS for mode in ("shared", "per_head") for b in args.budgets]
             todo = [c for c in configs if (index, c[0], c[1], c[2]) not in done]
             keep = {}
+            if todo:
+                evaluator.prefill(window, args.ctx)
             if any(policy in RANKINGS for policy, _, _ in todo):
                 targets = importance_of(capture, window, args.ctx, args.cont, args.observe)
                 if targets["oracle"].shape[:2] != (L, H):

@@ -295,6 +295,65 @@ def test_listwise_loss_is_the_kl_divergence_from_the_importance_distribution():
     assert rl.listwise_kl_loss(matched[:1], importance[:1]).item() == pytest.approx(0.0, abs=1e-12)
 
 
+def test_softrank_objective_learns_the_planted_ranking(synthetic, tmp_path):
+    result = run_training(synthetic[0], tmp_path / "soft.kvp.bin", "--objective", "softrank", "--steps", "60")
+    per_head = result.evaluation["per_head"]
+    assert per_head["kvp"]["mean_over_budgets"] - 1.0 < 0.05 * (per_head["random"]["mean_over_budgets"] - 1.0)
+    written = pf.read_policy(tmp_path / "soft.kvp.bin").metadata
+    assert written["objective"] == "softrank" and written["hyperparameters"]["anchors"] == 128
+    assert written["hyperparameters"]["rank_temperature"] == 0.02
+
+
+def _sigmoid(z):
+    return 1 / (1 + math.exp(-z)) if z >= 0 else math.exp(z) / (1 + math.exp(z))
+
+
+def _soft_rank_cost_brute_force(scores, importance):
+    """Σ over agents of Σ_i I_i Σ_{j≠i} sigmoid(s_j − s_i) / C(σ*), C(σ*) from the sorted importance; 0 where C* = 0."""
+    total = 0.0
+    for s, imp in zip(scores.tolist(), importance.tolist()):
+        best = sum(r * x for r, x in enumerate(sorted(imp, reverse=True)))
+        if best == 0:
+            continue
+        cost = sum(imp[i] * sum(_sigmoid(s[j] - s[i]) for j in range(len(s)) if j != i)
+                   for i in range(len(s)))
+        total += cost / best
+    return total
+
+
+def test_soft_rank_cost_estimates_the_smoothed_cost_and_tends_to_the_rl_cost_of_the_ranking_by_score():
+    torch.manual_seed(0)
+    scores = torch.randn(3, 6, dtype=torch.float64)
+    importance = torch.rand(3, 6, dtype=torch.float64)
+    importance[2] = 0.0
+    importance[2, 1] = 0.7  # one attended token: C* = 0, no defined cost
+    generator = torch.Generator().manual_seed(1)
+    estimate = rl.soft_rank_cost_loss(scores, importance, 200_000, generator).item()
+    exact = _soft_rank_cost_brute_force(scores, importance)
+    assert estimate == pytest.approx(exact, rel=5e-3)
+    assert rl.soft_rank_cost_loss(scores[2:], importance[2:], 8, generator).item() == 0.0
+    # with widely spaced scores every sigmoid is 0 or 1: the cost of the ranking by score, −R of normalised_rewards
+    sharp = scores[:2] * 1e4
+    by_score = torch.argsort(sharp, dim=-1, descending=True).unsqueeze(0)
+    rl_cost = -rl.normalised_rewards(importance[:2], by_score).sum().item()
+    assert _soft_rank_cost_brute_force(sharp, importance[:2]) == pytest.approx(rl_cost, rel=1e-9)
+    assert rl.soft_rank_cost_loss(sharp, importance[:2], 200_000, generator).item() == pytest.approx(rl_cost, rel=5e-3)
+    # a temperature t is the same as scores divided by t (the same anchors for the same generator state)
+    cooled = rl.soft_rank_cost_loss(scores, importance, 64, torch.Generator().manual_seed(2), temperature=0.25)
+    scaled = rl.soft_rank_cost_loss(scores / 0.25, importance, 64, torch.Generator().manual_seed(2))
+    assert cooled.item() == pytest.approx(scaled.item(), rel=1e-12)
+    assert cooled.item() != pytest.approx(rl.soft_rank_cost_loss(scores, importance, 64,
+                                                                 torch.Generator().manual_seed(2)).item(), rel=1e-3)
+
+
+def test_soft_rank_cost_gradient_orders_two_tokens_by_importance():
+    scores = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    importance = torch.tensor([[0.1, 0.6, 0.3]], dtype=torch.float64)
+    rl.soft_rank_cost_loss(scores, importance, 50_000, torch.Generator().manual_seed(0)).backward()
+    # descending the gradient raises the most important token and lowers the least important one
+    assert scores.grad[0, 1] < 0 < scores.grad[0, 0]
+
+
 def test_exported_policy_scores_match_the_torch_model(planted_run, synthetic):
     out, result = planted_run
     trainer = result.trainer
@@ -461,13 +520,14 @@ def test_resume_with_recency_terms_and_from_a_checkpoint_older_than_them(synthet
     run_training(synthetic[0], tmp_path / "split.kvp.bin", *steps, "--resume")
     assert (tmp_path / "split.kvp.bin").read_bytes() == (tmp_path / "full.kvp.bin").read_bytes()
     assert pf.read_policy(tmp_path / "full.kvp.bin").n_recency_knots == 4
-    # a checkpoint written before --recency-knots existed is a run without recency terms
+    # a checkpoint written before --recency-knots (and the softrank options) existed is a run without recency terms
     plain = ["--steps", "12", "--checkpoint-every", "4"]
     run_training(synthetic[0], tmp_path / "plain.kvp.bin", *plain)
     run_training(synthetic[0], tmp_path / "old.kvp.bin", *plain, "--stop-at", "8")
     checkpoint = str(tmp_path / "old.kvp.bin.ckpt")
     state = torch.load(checkpoint, weights_only=True)
-    del state["config"]["recency_knots"]
+    for key in ("recency_knots", "anchors", "rank_temperature"):
+        del state["config"][key]
     torch.save(state, checkpoint)
     run_training(synthetic[0], tmp_path / "old.kvp.bin", *plain, "--resume")
     assert (tmp_path / "old.kvp.bin").read_bytes() == (tmp_path / "plain.kvp.bin").read_bytes()

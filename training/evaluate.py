@@ -79,14 +79,19 @@ def evicted_importance(importance: np.ndarray, scores: np.ndarray, budgets: Sequ
     return total - kept_at
 
 
-def ranking_reward(importance: np.ndarray, scores: np.ndarray) -> np.ndarray:
-    """(H,) −C(σ)/C(σ*) of each head's ranking by score, C(σ) = Σ_r (r−1)·I(σ_r): the importance evicted summed over
-    every budget, the RL trainer's reward (training.rl.normalised_rewards) of the greedy ranking. NaN where
-    C(σ*) = 0 (at most one token has importance)."""
+def ranking_cost(importance: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """(H,) C(σ) = Σ_r (r−1)·I(σ_r) of each head's ranking σ by score: the importance evicted summed over every
+    budget. C(σ*), the oracle's, is ranking_cost(importance, importance)."""
     ranks = np.arange(importance.shape[-1], dtype=np.float64)
-    importance = importance.astype(np.float64)
-    cost = np.take_along_axis(importance, np.argsort(-scores, axis=-1, kind="stable"), axis=-1) @ ranks
-    best = -np.sort(-importance, axis=-1) @ ranks
+    order = np.argsort(-scores, axis=-1, kind="stable")
+    return np.take_along_axis(importance.astype(np.float64), order, axis=-1) @ ranks
+
+
+def ranking_reward(importance: np.ndarray, scores: np.ndarray, best: Optional[np.ndarray] = None) -> np.ndarray:
+    """(H,) −C(σ)/C(σ*) of each head's ranking by score, the RL trainer's reward (training.rl.normalised_rewards) of
+    the greedy ranking; best is C(σ*) if already known. NaN where C(σ*) = 0 (at most one token has importance)."""
+    cost = ranking_cost(importance, scores)
+    best = ranking_cost(importance, importance) if best is None else best
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(best > 0, -cost / best, np.nan)
 
@@ -167,12 +172,13 @@ def evaluate(
         combined = {method: 0.0 for method in methods}
         for slot, trace in enumerate(layer_traces):
             optimal[slot] += evicted_importance(importance[slot], importance[slot], BUDGETS)
+            best = ranking_cost(importance[slot], importance[slot])
             for method in methods:
                 scores = (score_kvp(trace) if method == "kvp" else
                           baseline_scores(method, trace, rng, traces.identity(), n_sink, n_recent))
                 scores = np.asarray(scores, dtype=np.float64)[:, rankable]
                 evicted["per_head"][method][slot] += evicted_importance(importance[slot], scores, BUDGETS)
-                rewards[method].append(ranking_reward(importance[slot], scores))
+                rewards[method].append(ranking_reward(importance[slot], scores, best))
                 combined[method] = combined[method] + _softmax(scores).sum(axis=0)
         for method in methods:
             for slot in range(len(layers)):

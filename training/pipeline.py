@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
             "--traces", traces, "--out", trained, "--objective", args.objective, "--hidden", args.hidden,
             "--steps", str(args.steps), "--seed", str(args.seed), "--recency-knots", str(args.recency_knots),
             "--threads", str(args.train_threads), *sources,
-            "--resume" if os.path.exists(trained + ".ckpt") else "--quiet",
+            *(["--resume"] if os.path.exists(trained + ".ckpt") else []),
             "--eval-json", os.path.join(args.out, "heldout.uncalibrated.json") if calibrating else heldout,
             "--eval-plot", os.path.join(args.out, "heldout.uncalibrated.png") if calibrating else plot]))
     if calibrating and not os.path.exists(policy):

@@ -10,8 +10,10 @@ gradients clipped one agent at a time, so a step is the paper's update of each a
 
 Objectives: "rl" (Plackett–Luce policy, K Gumbel-sort samples per prefix, reward −C(σ)/C(σ*), RLOO) or
 "supervised" (regression of the score on log importance; the comparison row) or "listwise" (KL divergence of
-softmax(score) from the prefix's importance distribution, ListNet's top-one loss). AdamW, linear warm-up from 1 % of
-the learning rate, cosine decay to --min-lr, per-agent clipping at norm 5, no entropy term.
+softmax(score) from the prefix's importance distribution, ListNet's top-one loss) or "softrank" (RL's cost
+C(σ)/C(σ*) of the ranking by score, with each rank smoothed to a sum of sigmoids and estimated from --anchors tokens
+drawn by importance). AdamW, linear warm-up from 1 % of the learning rate, cosine decay to --min-lr, per-agent
+clipping at norm 5, no entropy term.
 
 Runs are deterministic for a seed and thread count, checkpoint every --checkpoint-every steps and continue with
 --resume; the result is evaluated on the held-out split (training.evaluate) and the metrics go into the policy's
@@ -45,13 +47,14 @@ __all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "train", 
 RUN_KEYS = (
     "objective", "hidden", "activation", "steps", "seed", "lr", "min_lr", "warmup", "weight_decay", "clip",
     "samples", "prefixes_per_step", "layers", "n_sink", "n_recent", "stat_tokens", "sources", "recency_knots",
-    "init",
+    "init", "anchors", "rank_temperature",
 )  # fmt: skip
 # Run keys added after some checkpoints were written, with the value those runs had.
-NEWER_RUN_KEYS = {"sources": None, "recency_knots": 0, "init": None}
+NEWER_RUN_KEYS = {"sources": None, "recency_knots": 0, "init": None, "anchors": 128,
+                  "rank_temperature": 0.02}
 
 
-OBJECTIVES = ("rl", "supervised", "listwise")
+OBJECTIVES = ("rl", "supervised", "listwise", "softrank")
 
 
 def _int_list(text: str) -> list:
@@ -76,6 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's decoupled weight decay")
     parser.add_argument("--clip", type=float, default=5.0, help="per-agent gradient norm limit")
     parser.add_argument("--samples", type=int, default=16, help="K, rankings sampled per prefix (rl)")
+    parser.add_argument("--anchors", type=int, default=128,
+                        help="tokens drawn per prefix and agent to estimate the smoothed cost (softrank)")
+    parser.add_argument("--rank-temperature", type=float, default=0.02,
+                        help="temperature of the sigmoids that smooth the ranks (softrank): smaller is closer to the "
+                             "ranking by score; suits fine-tuning a trained policy (--init)")
     parser.add_argument("--prefixes-per-step", type=int, default=2, help="(sequence, cut) pairs per step")
     parser.add_argument("--layers", type=_int_list,
                         help="comma-separated layers to train (default: every layer that attends to the whole "
@@ -117,8 +125,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--samples must be at least 2 (RLOO)")
     if not 0 <= args.recency_knots <= pf.MAX_RECENCY_KNOTS:
         parser.error(f"--recency-knots must be within 0..{pf.MAX_RECENCY_KNOTS}")
-    if args.steps < 1 or args.prefixes_per_step < 1 or args.checkpoint_every < 1:
-        parser.error("--steps, --prefixes-per-step and --checkpoint-every must be positive")
+    if min(args.steps, args.prefixes_per_step, args.checkpoint_every, args.anchors) < 1:
+        parser.error("--steps, --prefixes-per-step, --checkpoint-every and --anchors must be positive")
+    if not args.rank_temperature > 0:
+        parser.error("--rank-temperature must be positive")
     return args
 
 
@@ -284,6 +294,9 @@ class Trainer:
                 rewards.append(rl.normalised_rewards(importance, rankings))
             elif self.args.objective == "listwise":
                 supervised_losses.append(rl.listwise_kl_loss(scores, importance))
+            elif self.args.objective == "softrank":
+                supervised_losses.append(rl.soft_rank_cost_loss(
+                    scores, importance, self.args.anchors, self.generator, self.args.rank_temperature))
             else:
                 supervised_losses.append(rl.log_importance_regression_loss(scores, importance))
         if self.args.objective == "rl":
