@@ -302,6 +302,13 @@ def test_softrank_objective_learns_the_planted_ranking(synthetic, tmp_path):
     written = pf.read_policy(tmp_path / "soft.kvp.bin").metadata
     assert written["objective"] == "softrank" and written["hyperparameters"]["anchors"] == 128
     assert written["hyperparameters"]["rank_temperature"] == 0.02
+    # --listwise-weight adds the listwise loss: another run, which also learns the ranking
+    mixed = run_training(synthetic[0], tmp_path / "mixed.kvp.bin", "--objective", "softrank", "--steps", "60",
+                         "--listwise-weight", "1")
+    mixed_cost = mixed.evaluation["per_head"]["kvp"]["mean_over_budgets"]
+    assert mixed_cost - 1.0 < 0.05 * (per_head["random"]["mean_over_budgets"] - 1.0)
+    assert mixed_cost != per_head["kvp"]["mean_over_budgets"]
+    assert pf.read_policy(tmp_path / "mixed.kvp.bin").metadata["hyperparameters"]["listwise_weight"] == 1.0
 
 
 def _sigmoid(z):
@@ -526,7 +533,7 @@ def test_resume_with_recency_terms_and_from_a_checkpoint_older_than_them(synthet
     run_training(synthetic[0], tmp_path / "old.kvp.bin", *plain, "--stop-at", "8")
     checkpoint = str(tmp_path / "old.kvp.bin.ckpt")
     state = torch.load(checkpoint, weights_only=True)
-    for key in ("recency_knots", "anchors", "rank_temperature"):
+    for key in ("recency_knots", "anchors", "rank_temperature", "listwise_weight"):
         del state["config"][key]
     torch.save(state, checkpoint)
     run_training(synthetic[0], tmp_path / "old.kvp.bin", *plain, "--resume")

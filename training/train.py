@@ -12,8 +12,8 @@ Objectives: "rl" (Plackett–Luce policy, K Gumbel-sort samples per prefix, rewa
 "supervised" (regression of the score on log importance; the comparison row) or "listwise" (KL divergence of
 softmax(score) from the prefix's importance distribution, ListNet's top-one loss) or "softrank" (RL's cost
 C(σ)/C(σ*) of the ranking by score, with each rank smoothed to a sum of sigmoids and estimated from --anchors tokens
-drawn by importance). AdamW, linear warm-up from 1 % of the learning rate, cosine decay to --min-lr, per-agent
-clipping at norm 5, no entropy term.
+drawn by importance; plus --listwise-weight times the listwise loss). AdamW, linear warm-up from 1 % of the
+learning rate, cosine decay to --min-lr, per-agent clipping at norm 5, no entropy term.
 
 Runs are deterministic for a seed and thread count, checkpoint every --checkpoint-every steps and continue with
 --resume; the result is evaluated on the held-out split (training.evaluate) and the metrics go into the policy's
@@ -47,11 +47,11 @@ __all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "train", 
 RUN_KEYS = (
     "objective", "hidden", "activation", "steps", "seed", "lr", "min_lr", "warmup", "weight_decay", "clip",
     "samples", "prefixes_per_step", "layers", "n_sink", "n_recent", "stat_tokens", "sources", "recency_knots",
-    "init", "anchors", "rank_temperature",
+    "init", "anchors", "rank_temperature", "listwise_weight",
 )  # fmt: skip
 # Run keys added after some checkpoints were written, with the value those runs had.
 NEWER_RUN_KEYS = {"sources": None, "recency_knots": 0, "init": None, "anchors": 128,
-                  "rank_temperature": 0.02}
+                  "rank_temperature": 0.02, "listwise_weight": 0.0}
 
 
 OBJECTIVES = ("rl", "supervised", "listwise", "softrank")
@@ -84,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rank-temperature", type=float, default=0.02,
                         help="temperature of the sigmoids that smooth the ranks (softrank): smaller is closer to the "
                              "ranking by score; suits fine-tuning a trained policy (--init)")
+    parser.add_argument("--listwise-weight", type=float, default=0.0,
+                        help="softrank: add this multiple of the listwise loss, which weighs the top of the ranking")
     parser.add_argument("--prefixes-per-step", type=int, default=2, help="(sequence, cut) pairs per step")
     parser.add_argument("--layers", type=_int_list,
                         help="comma-separated layers to train (default: every layer that attends to the whole "
@@ -129,6 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--steps, --prefixes-per-step, --checkpoint-every and --anchors must be positive")
     if not args.rank_temperature > 0:
         parser.error("--rank-temperature must be positive")
+    if not args.listwise_weight >= 0:
+        parser.error("--listwise-weight must be non-negative")
     return args
 
 
@@ -295,8 +299,11 @@ class Trainer:
             elif self.args.objective == "listwise":
                 supervised_losses.append(rl.listwise_kl_loss(scores, importance))
             elif self.args.objective == "softrank":
-                supervised_losses.append(rl.soft_rank_cost_loss(
-                    scores, importance, self.args.anchors, self.generator, self.args.rank_temperature))
+                loss = rl.soft_rank_cost_loss(scores, importance, self.args.anchors, self.generator,
+                                              self.args.rank_temperature)
+                if self.args.listwise_weight:
+                    loss = loss + self.args.listwise_weight * rl.listwise_kl_loss(scores, importance)
+                supervised_losses.append(loss)
             else:
                 supervised_losses.append(rl.log_importance_regression_loss(scores, importance))
         if self.args.objective == "rl":
