@@ -68,32 +68,45 @@ def baseline_scores(method: str, trace: LayerTrace, rng: np.random.Generator, id
     raise ValueError(f"unknown method {method!r}")
 
 
-def evicted_importance(importance: np.ndarray, scores: np.ndarray, budgets: Sequence[float]) -> np.ndarray:
-    """(H, B) importance evicted from each head's n tokens when the top round(b·n) by score are kept."""
+def importance_by_score(importance: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """(H, n) each head's importance in the order of its ranking by score, descending (ties: earlier token first)."""
     order = np.argsort(-scores, axis=-1, kind="stable")
-    kept = np.cumsum(np.take_along_axis(importance.astype(np.float64), order, axis=-1), axis=-1)
+    return np.take_along_axis(importance.astype(np.float64), order, axis=-1)
+
+
+def _evicted(ordered: np.ndarray, budgets: Sequence[float]) -> np.ndarray:
+    kept = np.cumsum(ordered, axis=-1)
     total = kept[:, -1:]
-    n = importance.shape[-1]
+    n = ordered.shape[-1]
     n_kept = np.array([int(round(b * n)) for b in budgets])
     kept_at = np.where(n_kept > 0, kept[:, np.maximum(n_kept - 1, 0)], 0.0)
     return total - kept_at
 
 
+def _cost(ordered: np.ndarray) -> np.ndarray:
+    return ordered @ np.arange(ordered.shape[-1], dtype=np.float64)
+
+
+def _reward(cost: np.ndarray, best: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(best > 0, -cost / best, np.nan)
+
+
+def evicted_importance(importance: np.ndarray, scores: np.ndarray, budgets: Sequence[float]) -> np.ndarray:
+    """(H, B) importance evicted from each head's n tokens when the top round(b·n) by score are kept."""
+    return _evicted(importance_by_score(importance, scores), budgets)
+
+
 def ranking_cost(importance: np.ndarray, scores: np.ndarray) -> np.ndarray:
     """(H,) C(σ) = Σ_r (r−1)·I(σ_r) of each head's ranking σ by score: the importance evicted summed over every
     budget. C(σ*), the oracle's, is ranking_cost(importance, importance)."""
-    ranks = np.arange(importance.shape[-1], dtype=np.float64)
-    order = np.argsort(-scores, axis=-1, kind="stable")
-    return np.take_along_axis(importance.astype(np.float64), order, axis=-1) @ ranks
+    return _cost(importance_by_score(importance, scores))
 
 
-def ranking_reward(importance: np.ndarray, scores: np.ndarray, best: Optional[np.ndarray] = None) -> np.ndarray:
+def ranking_reward(importance: np.ndarray, scores: np.ndarray) -> np.ndarray:
     """(H,) −C(σ)/C(σ*) of each head's ranking by score, the RL trainer's reward (training.rl.normalised_rewards) of
-    the greedy ranking; best is C(σ*) if already known. NaN where C(σ*) = 0 (at most one token has importance)."""
-    cost = ranking_cost(importance, scores)
-    best = ranking_cost(importance, importance) if best is None else best
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(best > 0, -cost / best, np.nan)
+    the greedy ranking. NaN where C(σ*) = 0 (at most one token has importance)."""
+    return _reward(ranking_cost(importance, scores), ranking_cost(importance, importance))
 
 
 def _softmax(scores: np.ndarray) -> np.ndarray:
@@ -171,14 +184,17 @@ def evaluate(
         importance = [t.importance[:, rankable] for t in layer_traces]
         combined = {method: 0.0 for method in methods}
         for slot, trace in enumerate(layer_traces):
-            optimal[slot] += evicted_importance(importance[slot], importance[slot], BUDGETS)
-            best = ranking_cost(importance[slot], importance[slot])
+            # one sort per ranking serves both the per-budget costs and the RL reward
+            by_importance = importance_by_score(importance[slot], importance[slot])
+            optimal[slot] += _evicted(by_importance, BUDGETS)
+            best = _cost(by_importance)
             for method in methods:
                 scores = (score_kvp(trace) if method == "kvp" else
                           baseline_scores(method, trace, rng, traces.identity(), n_sink, n_recent))
                 scores = np.asarray(scores, dtype=np.float64)[:, rankable]
-                evicted["per_head"][method][slot] += evicted_importance(importance[slot], scores, BUDGETS)
-                rewards[method].append(ranking_reward(importance[slot], scores, best))
+                ordered = importance_by_score(importance[slot], scores)
+                evicted["per_head"][method][slot] += _evicted(ordered, BUDGETS)
+                rewards[method].append(_reward(_cost(ordered), best))
                 combined[method] = combined[method] + _softmax(scores).sum(axis=0)
         for method in methods:
             for slot in range(len(layers)):
