@@ -10,6 +10,7 @@ With --tasks, each sample's prompt is prefilled whole and compressed once to the
 protocol, question included), and the engine's ledger says which prompt positions are still cached. Reported per
 policy and task, averaged over the samples:
 - ``deciles``: the share of each tenth of the prompt that is kept (a streaming cache keeps the last tenths whole);
+- ``run``: the mean length of the runs of consecutive kept tokens (whole stretches of text, or scattered tokens);
 - ``answer``: the share kept of the prompt tokens that spell one of the sample's gold ``outputs`` where it occurs
   in the prompt (the needle's digits, fwe's frequent words, vt's variable names), and ``other`` the share of the
   rest, so that a policy that keeps what the answer needs shows ``answer`` above ``other``.
@@ -78,9 +79,17 @@ def answer_mask(pieces: Sequence[bytes], outputs: Sequence[str]) -> np.ndarray:
     return mask
 
 
+def mean_run(kept: np.ndarray) -> float:
+    """The mean length of the maximal runs of consecutive kept tokens."""
+    edges = np.diff(np.concatenate([[0], kept.astype(np.int8), [0]]))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return float(np.mean(ends - starts)) if starts.size else 0.0
+
+
 def kept_profile(kept: np.ndarray, answer: np.ndarray) -> Dict[str, object]:
     return {
         "deciles": deciles(kept),
+        "run": mean_run(kept),
         "answer": float(kept[answer].mean()) if answer.any() else None,
         "other": float(kept[~answer].mean()),
     }
@@ -91,6 +100,7 @@ def mean_profile(profiles: Sequence[Dict[str, object]]) -> Dict[str, object]:
     return {
         "samples": len(profiles),
         "deciles": [float(x) for x in np.mean([p["deciles"] for p in profiles], axis=0)],
+        "run": float(np.mean([p["run"] for p in profiles])),
         "answer": float(np.mean(answers)) if answers else None,
         "other": float(np.mean([p["other"] for p in profiles])),
     }
@@ -135,11 +145,13 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     result: Dict[str, object] = {"tasks": args.tasks, "budget": args.budget, "combine": args.combine,
                                  "evict_unit": args.evict_unit, "policies": {}}
     for name in policies:
-        llm = Llama(model, n_ctx=max(map(len, prompts)), kv_policy=policy_argument(name), kv_head_combine=args.combine,
+        n_ctx = max(map(len, prompts))
+        llm = Llama(model, n_ctx=n_ctx, kv_policy=policy_argument(name), kv_head_combine=args.combine,
                     kv_evict_unit=args.evict_unit, n_threads=args.threads, kv_threads=args.threads, verbose=False)
         by_task: Dict[str, List[Dict[str, object]]] = {}
         for sample, tokens, sample_pieces in tqdm(list(zip(samples, prompts, pieces)), desc=name, file=sys.stderr):
             llm.reset()
+            llm.kv_set_budget(n_ctx)  # kv_compress keeps its budget from then on: the prefill must not evict
             llm.eval(tokens)
             llm.kv_compress(args.budget)
             kept = np.zeros(len(tokens), bool)
@@ -242,8 +254,8 @@ def print_trace_table(result: Dict[str, object]) -> None:
 def print_table(result: Dict[str, object]) -> None:
     print_markdown(["policy", "task"], [
         [policy, task] + [f"{x:.2f}" for x in p["deciles"]] +
-        ["-" if p["answer"] is None else f"{p['answer']:.2f}", f"{p['other']:.2f}"]
-        for policy, tasks in result["policies"].items() for task, p in tasks.items()], ["answer", "other"])
+        ["-" if p["answer"] is None else f"{p['answer']:.2f}", f"{p['other']:.2f}", f"{p['run']:.1f}"]
+        for policy, tasks in result["policies"].items() for task, p in tasks.items()], ["answer", "other", "run"])
 
 
 def main(argv: Optional[List[str]] = None) -> None:
