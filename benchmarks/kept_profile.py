@@ -34,6 +34,9 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for training/
+from training import evaluate  # noqa: E402
+
 N_DECILES = 10
 
 
@@ -144,8 +147,8 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                              f"{args.budget}; nothing would be evicted")
     result: Dict[str, object] = {"tasks": args.tasks, "budget": args.budget, "combine": args.combine,
                                  "evict_unit": args.evict_unit, "policies": {}}
+    n_ctx = max(map(len, prompts))
     for name in policies:
-        n_ctx = max(map(len, prompts))
         llm = Llama(model, n_ctx=n_ctx, kv_policy=policy_argument(name), kv_head_combine=args.combine,
                     kv_evict_unit=args.evict_unit, n_threads=args.threads, kv_threads=args.threads, verbose=False)
         by_task: Dict[str, List[Dict[str, object]]] = {}
@@ -173,18 +176,13 @@ def deciles(values: np.ndarray) -> List[float]:
     return [float(part.mean()) for part in np.array_split(values, N_DECILES)]
 
 
-def softmax_rows(scores: np.ndarray) -> np.ndarray:
-    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 def prefix_profile(importance: Sequence[np.ndarray], scores: Sequence[np.ndarray], kept_fraction: float) -> Dict:
     """Shares kept per tenth of one prefix's rankable tokens, given per layer the (heads, tokens) importance and
     policy scores of those tokens: oracle and policy, per head and shared, and where the attention goes."""
     n = importance[0].shape[-1]
     k = max(1, int(round(kept_fraction * n)))
     share = sum((layer / np.maximum(layer.sum(axis=-1, keepdims=True), 1e-30)).sum(axis=0) for layer in importance)
-    softmax = sum(softmax_rows(layer).sum(axis=0) for layer in scores)
+    softmax = sum(evaluate.softmax(layer).sum(axis=0) for layer in scores)
     per_head = {name: np.mean([deciles(top_mask(row, k)) for layer in ranked for row in layer], axis=0)
                 for name, ranked in (("oracle", importance), ("policy", scores))}
     return {
@@ -198,9 +196,7 @@ def prefix_profile(importance: Sequence[np.ndarray], scores: Sequence[np.ndarray
 
 
 def run_traces(args: argparse.Namespace) -> Dict[str, object]:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from kvp_cpp import policy_file
-    from training import evaluate
     from training.traces import TraceSet
 
     policies = [p for p in args.policies.split(",") if p]

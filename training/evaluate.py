@@ -31,7 +31,7 @@ from kvp_cpp import policy_file as pf
 from .traces import LayerTrace, TraceSet, comma_names
 
 __all__ = [
-    "BUDGETS", "BASELINES", "MODES", "baseline_scores", "evicted_importance", "policy_score_fn", "evaluate", "summary",
+    "BUDGETS", "BASELINES", "MODES", "baseline_scores", "evicted_importance", "softmax", "policy_score_fn", "evaluate", "summary",
     "plot", "print_table", "scored_layers", "rankable_prefixes",
 ]  # fmt: skip
 
@@ -109,7 +109,8 @@ def ranking_reward(importance: np.ndarray, scores: np.ndarray) -> np.ndarray:
     return _reward(ranking_cost(importance, scores), ranking_cost(importance, importance))
 
 
-def _softmax(scores: np.ndarray) -> np.ndarray:
+def softmax(scores: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis (each head's scores over its tokens)."""
     shifted = np.exp(scores - scores.max(axis=-1, keepdims=True))
     return shifted / shifted.sum(axis=-1, keepdims=True)
 
@@ -195,7 +196,7 @@ def evaluate(
                 ordered = importance_by_score(importance[slot], scores)
                 evicted["per_head"][method][slot] += _evicted(ordered, BUDGETS)
                 rewards[method].append(_reward(_cost(ordered), best))
-                combined[method] = combined[method] + _softmax(scores).sum(axis=0)
+                combined[method] = combined[method] + softmax(scores).sum(axis=0)
         for method in methods:
             for slot in range(len(layers)):
                 shared = np.broadcast_to(combined[method], importance[slot].shape)
