@@ -13,7 +13,11 @@ policy and task, averaged over the samples:
 - ``run``: the mean length of the runs of consecutive kept tokens (whole stretches of text, or scattered tokens);
 - ``answer``: the share kept of the prompt tokens that spell one of the sample's gold ``outputs`` where it occurs
   in the prompt (the needle's digits, fwe's frequent words, vt's variable names), and ``other`` the share of the
-  rest, so that a policy that keeps what the answer needs shows ``answer`` above ``other``.
+  rest, so that a policy that keeps what the answer needs shows ``answer`` above ``other``;
+- ``counted`` (the counting tasks fwe and cwe, whose answer is the text's most frequent words): the share of the
+  gold words among the most frequent words of what is kept, counting a word's occurrences that are kept whole, so
+  1.0 when the kept tokens still rank the words as the text does; ``answer whole`` and ``other whole`` the share of
+  the gold words' occurrences and of the other words' kept whole.
 With --traces (training traces, docs/traces.md), the same shares per tenth for the tokens a learned policy keeps and
 for those its training target, the importance, would keep (the oracle), at a kept fraction of each cached prefix's
 rankable tokens (past the policy's sinks, before its recent tokens), in both modes: per head (the mean over heads of
@@ -30,7 +34,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List, Optional, Sequence
+from collections import Counter
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -38,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from training import evaluate  # noqa: E402
 
 N_DECILES = 10
+COUNTING_TASKS = ("fwe", "cwe")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -55,6 +61,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=None, help="at most N samples per task (default all)")
     p.add_argument("--combine", default="sum_softmax", help="per-head score combination (kv_head_combine)")
     p.add_argument("--evict-unit", default="token", choices=("token", "word"))
+    p.add_argument("--sink", type=int, default=None, help="--tasks: first tokens never evicted (default: the "
+                                                          "policy's, as kv_sink)")
     p.add_argument("--model", default=None, help="GGUF model (default: the package's default model)")
     p.add_argument("-t", "--threads", type=int, default=1)
     p.add_argument("-o", "--output", help="write the profile as JSON here")
@@ -82,6 +90,44 @@ def answer_mask(pieces: Sequence[bytes], outputs: Sequence[str]) -> np.ndarray:
     return mask
 
 
+def prompt_words(pieces: Sequence[bytes], end: Optional[int] = None) -> List[Tuple[str, int, int]]:
+    """The words of the first ``end`` tokens as (word, first token, end token): a token of a space and letters with
+    the letter-only tokens that follow it (fwe's coded words are one to three tokens)."""
+    text = [p.decode("utf-8", "replace") for p in pieces[:end]]
+    words, i = [], 0
+    while i < len(text):
+        j = i + 1
+        if text[i][:1] == " " and text[i][1:].isascii() and text[i][1:].isalpha():
+            while j < len(text) and text[j].isascii() and text[j].isalpha():
+                j += 1
+            words.append(("".join(text[i:j]).strip(), i, j))
+        i = j
+    return words
+
+
+def counted_profile(kept: np.ndarray, words: Sequence[Tuple[str, int, int]], outputs: Sequence[str]) -> Dict:
+    """How far the kept tokens keep a counting task's answer: its words among the most frequent of those kept
+    whole, and the share of its words' occurrences, and of the others', kept whole."""
+    whole = [kept[i:j].all() for _, i, j in words]
+    counts = Counter(word for (word, _, _), w in zip(words, whole) if w)
+    gold = set(outputs)
+    top = [word for word, _ in counts.most_common(len(gold))]
+    is_gold = np.array([word in gold for word, _, _ in words], bool)
+    whole = np.array(whole, bool)
+    return {"counted": sum(word in gold for word in top) / len(gold),
+            "answer whole": float(whole[is_gold].mean()) if is_gold.any() else None,
+            "other whole": float(whole[~is_gold].mean()) if (~is_gold).any() else None}
+
+
+def question_start(sample: dict, pieces: Sequence[bytes]) -> Optional[int]:
+    """The first token of the sample's question (the prompt's tail after its text), or None if it has none."""
+    question = sample.get("question") or ""
+    if not question or not sample["input"].endswith(question):
+        return None
+    at = len(sample["input"][:-len(question)].encode())
+    return int(np.searchsorted(np.cumsum([len(p) for p in pieces]), at, side="right"))
+
+
 def mean_run(kept: np.ndarray) -> float:
     """The mean length of the maximal runs of consecutive kept tokens."""
     edges = np.diff(np.concatenate([[0], kept.astype(np.int8), [0]]))
@@ -99,14 +145,20 @@ def kept_profile(kept: np.ndarray, answer: np.ndarray) -> Dict[str, object]:
 
 
 def mean_profile(profiles: Sequence[Dict[str, object]]) -> Dict[str, object]:
-    answers = [p["answer"] for p in profiles if p["answer"] is not None]
-    return {
+    def mean_of(name: str) -> Optional[float]:
+        values = [p[name] for p in profiles if p.get(name) is not None]
+        return float(np.mean(values)) if values else None
+
+    profile = {
         "samples": len(profiles),
         "deciles": [float(x) for x in np.mean([p["deciles"] for p in profiles], axis=0)],
         "run": float(np.mean([p["run"] for p in profiles])),
-        "answer": float(np.mean(answers)) if answers else None,
+        "answer": mean_of("answer"),
         "other": float(np.mean([p["other"] for p in profiles])),
     }
+    if any("counted" in p for p in profiles):
+        profile.update({name: mean_of(name) for name in ("counted", "answer whole", "other whole")})
+    return profile
 
 
 def load_samples(path: str, per_task: Optional[int]) -> List[dict]:
@@ -146,11 +198,12 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
             raise SystemExit(f"sample {sample['task']} #{sample['index']}: its {len(tokens)} tokens fit the budget "
                              f"{args.budget}; nothing would be evicted")
     result: Dict[str, object] = {"tasks": args.tasks, "budget": args.budget, "combine": args.combine,
-                                 "evict_unit": args.evict_unit, "policies": {}}
+                                 "evict_unit": args.evict_unit, "sink": args.sink, "policies": {}}
     n_ctx = max(map(len, prompts))
     for name in policies:
         llm = Llama(model, n_ctx=n_ctx, kv_policy=policy_argument(name), kv_head_combine=args.combine,
-                    kv_evict_unit=args.evict_unit, n_threads=args.threads, kv_threads=args.threads, verbose=False)
+                    kv_evict_unit=args.evict_unit, kv_sink=args.sink, n_threads=args.threads, kv_threads=args.threads,
+                    verbose=False)
         by_task: Dict[str, List[Dict[str, object]]] = {}
         for sample, tokens, sample_pieces in tqdm(list(zip(samples, prompts, pieces)), desc=name, file=sys.stderr):
             llm.reset()
@@ -160,7 +213,11 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
             kept = np.zeros(len(tokens), bool)
             kept[np.asarray(llm.kv_engine.ledger()["logical"], dtype=np.int64)] = True
             answer = answer_mask(sample_pieces, sample["outputs"])
-            by_task.setdefault(sample["task"], []).append(kept_profile(kept, answer))
+            profile = kept_profile(kept, answer)
+            if sample["task"] in COUNTING_TASKS:
+                words = prompt_words(sample_pieces, question_start(sample, sample_pieces))
+                profile.update(counted_profile(kept, words, sample["outputs"]))
+            by_task.setdefault(sample["task"], []).append(profile)
         llm.close()
         result["policies"][name] = {task: mean_profile(profiles) for task, profiles in by_task.items()}
     return result
@@ -248,10 +305,18 @@ def print_trace_table(result: Dict[str, object]) -> None:
 
 
 def print_table(result: Dict[str, object]) -> None:
+    counting = ("counted", "answer whole", "other whole")
+    has_counts = any("counted" in p for tasks in result["policies"].values() for p in tasks.values())
+
+    def number(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
     print_markdown(["policy", "task"], [
         [policy, task] + [f"{x:.2f}" for x in p["deciles"]] +
-        ["-" if p["answer"] is None else f"{p['answer']:.2f}", f"{p['other']:.2f}", f"{p['run']:.1f}"]
-        for policy, tasks in result["policies"].items() for task, p in tasks.items()], ["answer", "other", "run"])
+        [number(p["answer"]), f"{p['other']:.2f}", f"{p['run']:.1f}"] +
+        ([number(p.get(name)) for name in counting] if has_counts else [])
+        for policy, tasks in result["policies"].items() for task, p in tasks.items()],
+        ["answer", "other", "run"] + (list(counting) if has_counts else []))
 
 
 def main(argv: Optional[List[str]] = None) -> None:

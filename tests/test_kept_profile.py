@@ -42,6 +42,33 @@ def test_profile_shares_per_tenth_and_for_answer_and_other_tokens():
     assert mean["run"] == (7.5 + 85) / 2  # the complement is one run, tokens 5 to 89
 
 
+def test_prompt_words_are_a_spaced_letter_token_and_the_letter_tokens_after_it():
+    pieces = [b"Find", b" the", b" q", b"zk", b"xab", b" ...", b" q", b"zk", b"xab", b".", b" 12", b" caf\xc3\xa9"]
+    assert kept_profile.prompt_words(pieces) == [("the", 1, 2), ("qzkxab", 2, 5), ("qzkxab", 6, 9)]
+    assert kept_profile.prompt_words(pieces, end=6) == [("the", 1, 2), ("qzkxab", 2, 5)]
+    sample = {"input": "The text.\nQuestion: Which?", "question": "\nQuestion: Which?"}
+    split = [b"The", b" text", b".", b"\n", b"Question", b":", b" Which", b"?"]
+    assert kept_profile.question_start(sample, split) == 3
+    assert kept_profile.question_start({"input": "The text.", "question": ""}, split[:3]) is None
+
+
+def test_counted_is_whether_the_kept_words_still_rank_the_answer_first():
+    # aaaaaa three times, bbbbbb twice: the text ranks aaaaaa first
+    words = [("aaaaaa", 0, 2), ("bbbbbb", 2, 4), ("aaaaaa", 4, 6), ("bbbbbb", 6, 8), ("aaaaaa", 8, 10)]
+    kept = np.ones(10, bool)
+    assert kept_profile.counted_profile(kept, words, ["aaaaaa"]) == {
+        "counted": 1.0, "answer whole": 1.0, "other whole": 1.0}
+    kept[[1, 5]] = False  # two of aaaaaa's three occurrences lose a token: bbbbbb now leads what is kept whole
+    assert kept_profile.counted_profile(kept, words, ["aaaaaa"]) == {
+        "counted": 0.0, "answer whole": pytest.approx(1 / 3), "other whole": 1.0}
+    assert kept_profile.counted_profile(kept, words, ["aaaaaa", "bbbbbb"])["counted"] == 1.0
+    assert kept_profile.counted_profile(kept, words, ["bbbbbb", "cccccc"])["counted"] == 0.5
+    mean = kept_profile.mean_profile([
+        dict(kept_profile.kept_profile(kept, kept), **kept_profile.counted_profile(kept, words, ["aaaaaa"])),
+        kept_profile.kept_profile(kept, kept)])  # a task that does not count has no counted entries
+    assert mean["counted"] == 0.0 and mean["answer whole"] == pytest.approx(1 / 3)
+
+
 def test_streaming_keeps_the_sinks_and_the_newest_tokens(tmp_path):
     from kvp_cpp import Llama, default_model_path
 
@@ -60,6 +87,12 @@ def test_streaming_keeps_the_sinks_and_the_newest_tokens(tmp_path):
     expected[n - (budget - 4):] = True  # and the newest tokens, as many as the rest of the budget
     assert profile["deciles"] == pytest.approx([part.mean() for part in np.array_split(expected, 10)])
     assert profile["answer"] == 1.0     # the key is at the end, inside the recent window
+    kept_profile.main(["--tasks", str(tasks), "--policies", "streaming", "--budget", str(budget), "--sink", "30",
+                       "-o", str(out)])
+    expected[:30] = True
+    expected[30:n - (budget - 30)] = False
+    assert json.loads(out.read_text())["policies"]["streaming"]["planted"]["deciles"] == pytest.approx(
+        [part.mean() for part in np.array_split(expected, 10)])
     with pytest.raises(SystemExit, match="fit the budget"):
         kept_profile.main(["--tasks", str(tasks), "--policies", "streaming", "--budget", str(n)])
 
