@@ -73,9 +73,14 @@ def policy_argument(name: str) -> str:
     return name[4:] if name.startswith("kvp:") else name
 
 
+def piece_ends(pieces: Sequence[bytes]) -> np.ndarray:
+    """The byte offset where each token's piece ends in the concatenated pieces."""
+    return np.cumsum([len(p) for p in pieces])
+
+
 def answer_mask(pieces: Sequence[bytes], outputs: Sequence[str]) -> np.ndarray:
     """True for the tokens whose bytes overlap an occurrence of one of ``outputs`` in the concatenated pieces."""
-    ends = np.cumsum([len(p) for p in pieces])
+    ends = piece_ends(pieces)
     starts = ends - np.array([len(p) for p in pieces])
     text = b"".join(pieces)
     mask = np.zeros(len(pieces), bool)
@@ -108,12 +113,11 @@ def prompt_words(pieces: Sequence[bytes], end: Optional[int] = None) -> List[Tup
 def counted_profile(kept: np.ndarray, words: Sequence[Tuple[str, int, int]], outputs: Sequence[str]) -> Dict:
     """How far the kept tokens keep a counting task's answer: its words among the most frequent of those kept
     whole, and the share of its words' occurrences, and of the others', kept whole."""
-    whole = [kept[i:j].all() for _, i, j in words]
+    whole = np.array([kept[i:j].all() for _, i, j in words], bool)
     counts = Counter(word for (word, _, _), w in zip(words, whole) if w)
     gold = set(outputs)
     top = [word for word, _ in counts.most_common(len(gold))]
     is_gold = np.array([word in gold for word, _, _ in words], bool)
-    whole = np.array(whole, bool)
     return {"counted": sum(word in gold for word in top) / len(gold),
             "answer whole": float(whole[is_gold].mean()) if is_gold.any() else None,
             "other whole": float(whole[~is_gold].mean()) if (~is_gold).any() else None}
@@ -125,7 +129,7 @@ def question_start(sample: dict, pieces: Sequence[bytes]) -> Optional[int]:
     if not question or not sample["input"].endswith(question):
         return None
     at = len(sample["input"][:-len(question)].encode())
-    return int(np.searchsorted(np.cumsum([len(p) for p in pieces]), at, side="right"))
+    return int(np.searchsorted(piece_ends(pieces), at, side="right"))
 
 
 def mean_run(kept: np.ndarray) -> float:
