@@ -60,7 +60,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                        "comma-separated prefixes (fwe, niah_single_1, chat, ...)")
     p.add_argument("--samples", type=int, default=None, help="at most N samples per task (default all)")
     p.add_argument("--combine", default="sum_softmax", help="per-head score combination (kv_head_combine)")
-    p.add_argument("--evict-unit", default="token", choices=("token", "word"))
+    p.add_argument("--evict-unit", default="word", choices=("word", "token"))
     p.add_argument("--sink", type=int, default=None, help="--tasks: first tokens never evicted (default: the "
                                                           "policy's, as kv_sink)")
     p.add_argument("--model", default=None, help="GGUF model (default: the package's default model)")

@@ -65,7 +65,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-o", "--out", required=True, help="per-sample records (.jsonl), resumed if it exists")
     p.add_argument("--check", default=None,
-                   help="a kvp-bench log of the same windows: its full and streaming scores must match these")
+                   help="a kvp-bench log of the same windows, run with --evict-unit token: its full and streaming "
+                   "scores must match these")
     args = p.parse_args(argv)
     args.budgets = [int(b) for b in args.budgets.split(",")]
     args.observe = args.cont if args.observe is None else args.observe

@@ -384,7 +384,10 @@ def test_regenerating_after_eviction_cuts_back_and_keeps_both_branches(model_pat
         assert llm.kv_stats()["tokens_evicted"] > 0
         first = llm.last_turn
 
-        llm.create_chat_completion(messages[:-1], max_tokens=12, temperature=0)  # regenerate the last reply
+        # Regenerate the last reply, shorter so that the two branches differ (greedy decoding can write the same
+        # reply again, and then the newer branch would be the one continued below).
+        again = llm.create_chat_completion(messages[:-1], max_tokens=2, temperature=0)["choices"][0]["message"]
+        assert again["content"] != messages[-1]["content"]
         regenerated = llm.last_turn
         assert regenerated["match"] == "forked" and regenerated["conversation"] != first["conversation"]
         assert regenerated["reused_tokens"] == regenerated["prompt_tokens"] - 1

@@ -51,7 +51,7 @@ def test_words_follow_the_tokens_text(model_path, random_policy_path):
     assert len(set(expected)) < len(tokens) - 50  # the coded words really are split into pieces here
     assert llm.kv_engine.eviction_unit == "word"
     # Token-level eviction: every token is its own word.
-    plain = kvp_cpp.Llama(model_path, n_ctx=1024, kv_policy=random_policy_path, verbose=False)
+    plain = kvp_cpp.Llama(model_path, n_ctx=1024, kv_policy=random_policy_path, kv_evict_unit="token", verbose=False)
     plain.eval(tokens)
     assert plain.kv_engine.ledger()["word"].tolist() == list(range(len(tokens)))
     assert plain.kv_engine.eviction_unit == "token"
@@ -128,9 +128,27 @@ def test_state_carries_the_words_and_refuses_another_unit(model_path, random_pol
     assert llm.kv_engine.ledger()["word"].tolist() == words
     assert llm.create_completion(" unotxl", max_tokens=6, temperature=0.0)["choices"][0]["text"] == first
 
-    tokens = kvp_cpp.Llama(model_path, n_ctx=96, kv_policy=random_policy_path, verbose=False)
+    tokens = kvp_cpp.Llama(model_path, n_ctx=96, kv_policy=random_policy_path, kv_evict_unit="token", verbose=False)
     with pytest.raises(ValueError, match="kv_evict_unit='word'"):
         tokens.load_state(state)
+
+
+def test_words_are_the_default_unit_wherever_there_is_eviction(model_path, random_policy_path):
+    default = kvp_cpp.Llama(model_path, n_ctx=96, kv_policy=random_policy_path, verbose=False)
+    assert default.kv_engine.eviction_unit == "word"
+    default.eval(default.tokenize(TEXT.encode(), add_bos=True)[:300])
+    ledger = default.kv_engine.ledger()
+    assert (ledger["word"] != ledger["logical"]).any()  # some kept token continues the word of the one before it
+    explicit = kvp_cpp.Llama(model_path, n_ctx=96, kv_policy=random_policy_path, kv_evict_unit="word", verbose=False)
+    explicit.eval(explicit.tokenize(TEXT.encode(), add_bos=True)[:300])
+    for column in ("word", "logical"):
+        assert explicit.kv_engine.ledger()[column].tolist() == ledger[column].tolist()
+    token = kvp_cpp.Llama(model_path, n_ctx=96, kv_policy=random_policy_path, kv_evict_unit="token", verbose=False)
+    assert token.kv_engine.eviction_unit == "token"
+    token.eval(token.tokenize(TEXT.encode(), add_bos=True)[:300])
+    assert token.kv_engine.ledger()["logical"].tolist() != ledger["logical"].tolist()
+    full = kvp_cpp.Llama(model_path, n_ctx=96, verbose=False)  # no policy, no engine: the unit does not apply
+    assert full.kv_engine is None
 
 
 def test_bad_word_arguments_raise_value_error(model_path, random_policy_path):
@@ -160,8 +178,9 @@ def test_kvp_bench_keys_records_by_eviction_unit(tmp_path, model_path, random_po
     common = [bench.binary_path(), "-m", model_path, "--tasks", str(tasks), "--policies",
               f"full,kvp:{random_policy_path}", "--budgets", "128", "--variants", "question_included",
               "--max-new-tokens", "6", "-o", str(out)]
-    for unit in ("token", "word", "word"):  # the second word run resumes every record
-        result = subprocess.run([*common, "--evict-unit", unit], capture_output=True, text=True, timeout=300)
+    for unit in ("token", "word", None):  # the default is word: the last run resumes every record
+        flags = [] if unit is None else ["--evict-unit", unit]
+        result = subprocess.run([*common, *flags], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
     assert "2 results (2 resumed)" in result.stderr and "kvp:random (words)" in result.stdout
     records = [json.loads(line) for line in open(str(out)[: -len(".json")] + ".samples.jsonl", encoding="utf-8")]
@@ -169,7 +188,7 @@ def test_kvp_bench_keys_records_by_eviction_unit(tmp_path, model_path, random_po
     assert units == [(False, "token"), (False, "word"), (True, "token")]
     document = json.load(open(out, encoding="utf-8"))
     assert document["config"]["evict_unit"] == "word"
-    assert {(r["policy"] == "full", r.get("evict_unit")) for r in document["results"]} == {(True, None), (False, "word")}
+    assert {(r["policy"] == "full", r["evict_unit"]) for r in document["results"]} == {(True, "token"), (False, "word")}
     word = next(r for r in records if r.get("evict_unit") == "word")
     token = next(r for r in records if r["policy"] != "full" and "evict_unit" not in r)
     assert word["compressed_cells"] == token["compressed_cells"] == 128

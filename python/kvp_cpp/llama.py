@@ -158,9 +158,10 @@ class Llama(llama_cpp.Llama):
       the patched llama.cpp is loaded and has a GPU backend, else on the CPU through the eval callback, which is
       the faster of the two on a CPU), ``"callback"`` or ``"graph"`` (the patched llama.cpp; see
       docs/graph_scoring.md). Both give the same scores.
-    - ``kv_evict_unit``: ``"token"`` (default) ranks every token by its own score; ``"word"`` ranks the sub-word
-      tokens of a word (no space or punctuation between them, at most 16 tokens) by the word's best score, so a
-      word stays or leaves whole instead of leaving fragments the model misreads (docs/policies.md).
+    - ``kv_evict_unit``: ``"word"`` (default) ranks the sub-word tokens of a word (no space or punctuation between
+      them, at most 16 tokens) by the word's best score, so a word stays or leaves whole instead of leaving
+      fragments the model misreads; ``"token"`` ranks every token by its own score, as the paper and the
+      baselines' original papers do (docs/policies.md, "Word-level eviction").
     """
 
     def __init__(
@@ -182,7 +183,7 @@ class Llama(llama_cpp.Llama):
         kv_kernel: str = "auto",
         kv_threads: int = 0,
         kv_scoring: str = "auto",
-        kv_evict_unit: str = "token",
+        kv_evict_unit: Optional[str] = None,
         **kwargs: Any,
     ):
         self._kvp_engine: Optional[_core.Engine] = None
@@ -191,6 +192,8 @@ class Llama(llama_cpp.Llama):
         self._kvp_guard = threading.Lock()
         if kv_position_mode is None:
             kv_position_mode = "original" if kv_mode == "per_head" else "compact"
+        if kv_evict_unit is None:  # whole words where there is eviction; a full cache has no unit
+            kv_evict_unit = "word" if kv_policy is not None else "token"
         self._kvp_args = dict(
             kv_policy=kv_policy, kv_mode=kv_mode, kv_budget=kv_budget, kv_sink=kv_sink, kv_recent=kv_recent,
             kv_position_mode=kv_position_mode, kv_evict_fraction=kv_evict_fraction, kv_head_combine=kv_head_combine,

@@ -70,8 +70,9 @@ engine
   --head-consensus W        per_head: each head ranks by (1 - W) x its own softmax + W x all heads' mean softmax,
                             in [0, 1] (default 0.9, docs/per_head.md; 0: every head by its own scores, the paper's
                             per-head eviction; 1: shared mode's ranking). Per-head results are keyed by it
-  --evict-unit token|word   token (default): every token by its own score; word: the sub-word tokens of a word are
-                            ranked by the word's best score and stay or leave together. Records are keyed by it
+  --evict-unit word|token   word (default, as the library's): the sub-word tokens of a word are ranked by the
+                            word's best score and stay or leave together; token: every token by its own score (the
+                            paper's protocol). Records are keyed by it (evict_unit; absent means token)
   --scoring PATH             where learned policies' MLPs run: auto (default: in llama.cpp's decode graph with the
                             patched llama.cpp and a GPU, else on the CPU through the eval callback), callback, graph
   --seed N                  seed of the random policy (default 0)

@@ -23,7 +23,7 @@ struct EngineOptions {
     double evict_fraction = 0.0625;
     std::optional<double> head_consensus;  // per-head engines' share of all heads' vote; unset: kDefaultHeadConsensus
     ScoringPath scoring = ScoringPath::automatic;  // where learned policies' MLPs run
-    EvictionUnit eviction_unit = EvictionUnit::token;
+    EvictionUnit eviction_unit = EvictionUnit::word;  // the library's default too
 };
 
 class PolicyFactory {

@@ -72,7 +72,7 @@ private:
 struct ResultRow {
     std::string policy;
     std::string kv_mode = kSharedMode;
-    std::string evict_unit = "token";  // in the JSON only when "word"
+    std::string evict_unit = "token";  // in every row (the per-sample records carry it only when "word")
     int64_t budget = kUnbounded;
     std::string task;
     int64_t length = 0;

@@ -55,8 +55,9 @@ class KvpModelSettings(ModelSettings):
     kv_head_combine: Literal["sum_softmax", "max_softmax", "mean", "mean_rank"] = Field(
         default="sum_softmax", description="How per-head scores become one keep-score per token."
     )
-    kv_evict_unit: Literal["token", "word"] = Field(
-        default="token", description="'word': a word's sub-word tokens are ranked together and stay or leave together."
+    kv_evict_unit: Optional[Literal["token", "word"]] = Field(
+        default=None, description="'word' (the default with a kv_policy): a word's sub-word tokens are ranked together "
+        "and stay or leave together; 'token': every token by its own score."
     )
     kv_seed: int = Field(default=0, description="Seed of the random policy.")
     kv_compact_limit: int = Field(default=0, ge=0, description="Compact mode keeps positions below this (0: n_ctx_train).")
