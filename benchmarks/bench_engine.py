@@ -7,7 +7,8 @@ runs made side by side on the same machine state. Two regimes:
 - a prompt of 4x the budget: the engine under eviction, against llama.cpp with a cache large enough for it all.
 
 The per-token split of the learned policy's overhead comes from kv_stats(): time inside the callback (copies,
-scoring) and the rest of the overhead, which is the graph splits and syncs the callback forces.
+scoring) and the rest of the overhead, which is the graph splits and syncs the callback forces. The policies evict
+whole words (the default); one more run of the learned policy ranks token by token, for the cost of the word unit.
 
 With the patched llama.cpp loaded (KVP_CPP_LLAMA=per_head), the learned policy also runs with its MLP inside the
 decode graph (kv_scoring="graph": no eval callback; scores read back once per ubatch), side by side with the
@@ -75,6 +76,9 @@ def main() -> None:
             "llama.cpp": lambda: llama_cpp.Llama(model, n_ctx=args.budget, **common),
             "kvp (learned)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
                                                    kv_scoring="callback", **common),
+            "kvp (learned, token by token)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
+                                                                   kv_scoring="callback", kv_evict_unit="token",
+                                                                   **common),
             "kvp (learned, in graph)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
                                                              kv_scoring="graph", **common),
             "streaming": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy="streaming", **common),
@@ -83,6 +87,9 @@ def main() -> None:
             "llama.cpp": lambda: llama_cpp.Llama(model, n_ctx=4 * args.budget + args.decode + 16, **common),
             "kvp (learned)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
                                                    kv_scoring="callback", **common),
+            "kvp (learned, token by token)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
+                                                                   kv_scoring="callback", kv_evict_unit="token",
+                                                                   **common),
             "kvp (learned, in graph)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
                                                              kv_scoring="graph", **common),
             "streaming": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy="streaming", **common),
