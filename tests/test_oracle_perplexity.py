@@ -90,7 +90,8 @@ def test_full_and_streaming_match_kvp_bench_on_the_same_window(tmp_path):
     env = _llama_lib.child_environment(False)
     bench = subprocess.run([sys.executable, "-m", "kvp_cpp.bench", "--text", str(text), "--ctx", "256", "--cont", "32",
                             "--budgets", "64", "--policies", "full,streaming", "--evict-unit", "token",
-                            "--samples", "1", "-t", "2", "-o", str(tmp_path / "bench.json")], capture_output=True, text=True, timeout=600, env=env)
+                            "--samples", "1", "-t", "2", "-o", str(tmp_path / "bench.json")],
+                           capture_output=True, text=True, timeout=600, env=env)
     assert bench.returncode == 0, bench.stderr[-3000:]
     out = tmp_path / "oracle.samples.jsonl"
     run = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "oracle_perplexity.py"), "--text", str(text),
