@@ -219,20 +219,37 @@ def importance_of(capture, window: List[int], ctx: int, cont: int, observe: int)
 
 
 def check_against(records: List[dict], path: str) -> Dict[str, float]:
-    """Largest |difference| per series between these full/streaming scores and a kvp-bench log's."""
-    theirs = {}
+    """Largest |difference| per series between these full/streaming scores and a kvp-bench log's.
+
+    The script evicts token by token, so only the log's token-level records compare; a series that the log holds
+    only with whole words (kvp-bench's default unit) is an error rather than silently left out."""
+    theirs, by_words = {}, set()
     with open(path, encoding="utf-8") as f:
         for line in f:
             r = json.loads(line)
             if (r.get("protocol") == "oneshot" and r["policy"] in ("full", "streaming")
-                    and r.get("kv_mode", "shared") == "shared" and r.get("evict_unit", "token") == "token"):
-                theirs[(r["policy"], r.get("budget"), r["index"])] = r["score"]
+                    and r.get("kv_mode", "shared") == "shared"):
+                key = (r["policy"], r.get("budget"), r["index"])
+                if r.get("evict_unit", "token") == "token":
+                    theirs[key] = r["score"]
+                else:
+                    by_words.add(key)
     worst: Dict[str, float] = {}
+    ranked_by_words = set()
     for r in records:
         key = (r["policy"], r.get("budget"), r["index"])
+        name = r["policy"] + ("" if r.get("budget") is None else f" {r['budget']}")
         if key in theirs:
-            name = r["policy"] + ("" if r.get("budget") is None else f" {r['budget']}")
             worst[name] = max(worst.get(name, 0.0), abs(r["score"] - theirs[key]))
+        elif key in by_words:
+            ranked_by_words.add(name)
+    ranked_by_words -= set(worst)
+    if ranked_by_words:
+        raise SystemExit(f"--check {path}: its {', '.join(sorted(ranked_by_words))} records were evicted by whole "
+                         "words (kvp-bench's default unit), which this script does not do; rerun kvp-bench with "
+                         "--evict-unit token")
+    if not worst:
+        raise SystemExit(f"--check {path}: no oneshot full or streaming record of the same windows to compare")
     return worst
 
 

@@ -77,6 +77,27 @@ def test_budgets_outside_the_window_are_refused(capsys):
     assert "--observe 256" in capsys.readouterr().err
 
 
+def test_check_refuses_a_log_evicted_by_whole_words(tmp_path):
+    """--check compares token-level eviction only; a log whose streaming ran with kvp-bench's default unit (words)
+    is an error naming the series and the flag, not a check of `full` alone."""
+    def record(policy, budget, score, **extra):
+        return {"protocol": "oneshot", "policy": policy, "budget": budget, "index": 0, "score": score, **extra}
+
+    ours = [record("full", None, 2.0), record("streaming", 64, 3.0)]
+    log = tmp_path / "bench.samples.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in [record("full", None, 2.0),
+                                                      record("streaming", 64, 3.5, evict_unit="word")]))
+    with pytest.raises(SystemExit, match=r"streaming 64 records were evicted by whole words.*--evict-unit token"):
+        oracle.check_against(ours, str(log))
+    log.write_text("\n".join(json.dumps(r) for r in [record("full", None, 2.0),
+                                                      record("streaming", 64, 3.5, evict_unit="word"),
+                                                      record("streaming", 64, 3.25)]))
+    assert oracle.check_against(ours, str(log)) == {"full": 0.0, "streaming 64": 0.25}
+    log.write_text(json.dumps(record("full", None, 2.0, index=5)))
+    with pytest.raises(SystemExit, match="no oneshot full or streaming record"):
+        oracle.check_against(ours, str(log))
+
+
 def test_full_and_streaming_match_kvp_bench_on_the_same_window(tmp_path):
     """The script's own full and streaming runs, through per-head eviction on the patched library, give kvp-bench's
     NLL on the same window (same tokens, positions and protocol); the oracle's records are kvp-bench's records."""
