@@ -71,34 +71,23 @@ def main() -> None:
     def prompt(n):
         return ([1] + unit * (n // len(unit) + 1))[:n]
 
+    def engine(**options):
+        return lambda: kvp_cpp.Llama(model, n_ctx=args.budget, **options, **common)
+
+    in_graph = _llama_lib.loaded_library_is_patched("llama_kvp_scorer_init")
+    engines = {  # the same in both regimes: the engine always holds `budget` cells
+        "kvp (learned)": engine(kv_policy=policy_path, kv_scoring="callback"),
+        "kvp (learned, token by token)": engine(kv_policy=policy_path, kv_scoring="callback", kv_evict_unit="token"),
+        **({"kvp (learned, in graph)": engine(kv_policy=policy_path, kv_scoring="graph")} if in_graph else {}),
+        "streaming": engine(kv_policy="streaming"),
+    }
     regimes = {
         "no eviction (same n_ctx)": (prompt(args.budget - args.decode - 8), {
-            "llama.cpp": lambda: llama_cpp.Llama(model, n_ctx=args.budget, **common),
-            "kvp (learned)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
-                                                   kv_scoring="callback", **common),
-            "kvp (learned, token by token)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
-                                                                   kv_scoring="callback", kv_evict_unit="token",
-                                                                   **common),
-            "kvp (learned, in graph)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
-                                                             kv_scoring="graph", **common),
-            "streaming": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy="streaming", **common),
-        }),
+            "llama.cpp": lambda: llama_cpp.Llama(model, n_ctx=args.budget, **common), **engines}),
         "prompt 4x budget": (prompt(4 * args.budget), {
             "llama.cpp": lambda: llama_cpp.Llama(model, n_ctx=4 * args.budget + args.decode + 16, **common),
-            "kvp (learned)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
-                                                   kv_scoring="callback", **common),
-            "kvp (learned, token by token)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
-                                                                   kv_scoring="callback", kv_evict_unit="token",
-                                                                   **common),
-            "kvp (learned, in graph)": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy=policy_path,
-                                                             kv_scoring="graph", **common),
-            "streaming": lambda: kvp_cpp.Llama(model, n_ctx=args.budget, kv_policy="streaming", **common),
-        }),
+            **engines}),
     }
-    in_graph = _llama_lib.loaded_library_is_patched("llama_kvp_scorer_init")
-    for _, makers in regimes.values():
-        if not in_graph:
-            del makers["kvp (learned, in graph)"]
     report = {"budget": args.budget, "hidden": list(hidden), "threads": args.threads,
               "library": "patched" if in_graph else "stock", "regimes": {}}
     for regime, (tokens, makers) in regimes.items():
