@@ -173,6 +173,31 @@ def test_every_result_compresses_its_context_to_the_budget_then_appends(sweep):
                 assert r["tokens_evicted"] > 0 and r["cells_max"] > r["budget"]  # the question stayed whole
 
 
+def test_stretch_keeps_the_oldest_candidates_whole_when_nothing_stands_out(tmp_path, model_path, tasks_file):
+    """--stretch X: with a threshold no keep-score reaches, the whole kept share is the stretch of the oldest
+    candidates, whichever policy ranks (keydiff and knorm keep the same cells), and it is not what either keeps
+    without it. Bad values are refused before any work."""
+    def kept(policy: str, *extra: str) -> list:
+        out = tmp_path / f"{policy}{len(extra)}.json"
+        run_bench("-m", model_path, "--tasks", str(tasks_file), "--policies", policy, "--budgets", "64",
+                  "--variants", "question_included", "--evict-unit", "token", "--max-new-tokens", "2", *extra,
+                  "-o", str(out))
+        with open(out, encoding="utf-8") as f:
+            assert json.load(f)["config"]["stretch"] == (float(extra[1]) if extra else 0.0)
+        return [r["kept_digest"] for r in read_log(out)]
+
+    stretched = kept("keydiff", "--stretch", "1e9")
+    assert len(stretched) == SAMPLES
+    assert kept("knorm", "--stretch", "1e9") == stretched
+    assert kept("keydiff") != stretched and kept("knorm") != stretched
+    for bad, code, message in ((["--stretch", "-1"], 2, "--stretch needs a finite number >= 0"),
+                               (["--stretch", "2", "--combine", "mean"], 1, "--stretch needs --combine")):
+        result = subprocess.run([bench.binary_path(), "-m", model_path, "--tasks", str(tasks_file), "--policies",
+                                 "keydiff", *bad, "-o", str(tmp_path / "bad.json")],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == code and message in result.stderr, result.stderr
+
+
 def test_question_excluded_needs_the_question_field(tmp_path, model_path, tasks_file):
     stripped = tmp_path / "no-question.jsonl"
     with open(tasks_file, encoding="utf-8") as f, open(stripped, "w", encoding="utf-8") as out:

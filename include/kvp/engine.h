@@ -75,6 +75,9 @@ struct EngineConfig {
     // Word: the sub-word tokens of a word are ranked by the word's best score, so they stay or leave together;
     // begin_batch then needs the batch's token ids.
     EvictionUnit eviction_unit = EvictionUnit::token;
+    // > 0: what the ranking's confident picks leave of the budget is an unbroken stretch of the oldest unprotected
+    // tokens (select_victims); shared mode with a softmax head combination only.
+    double stretch = 0.0;
 };
 
 struct EngineStats {

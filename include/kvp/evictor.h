@@ -53,7 +53,17 @@ std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector
 // The n_evict candidates with the lowest keep-score, as ascending ledger indices. Ties go to the older token
 // (smaller logical index), so the order is deterministic; tokens with a non-finite score leave first, oldest first.
 // Throws std::logic_error if too few candidates exist.
-std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, size_t n_evict, HeadCombine combine);
+//
+// stretch > 0 (a softmax combination only): the candidates whose keep-score is at least `stretch` times the mean
+// keep-score are the ranking's confident picks. What the kept candidates do not need for them goes to an unbroken
+// stretch of the oldest candidates, kept whole (not splitting a word), and the victims are the lowest keep-scores
+// among the candidates after it. A ranking that scores tokens one by one keeps scattered tokens where nothing
+// stands out, and counting a text's words needs an unbroken part of it (models/README.md, "What fwe needs").
+std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, size_t n_evict, HeadCombine combine,
+                                   double stretch = 0.0);
+// The length of that stretch, in candidates; 0 with stretch 0.
+size_t stretch_length(const Ledger& ledger, const std::vector<size_t>& candidates, const std::vector<double>& keep,
+                      size_t n_evict, double stretch);
 
 // Per-head mode (the ledger has holders): for every head h, the n_evict candidates that h still holds with h's
 // lowest keep-scores, as ascending ledger indices; victims[h]. With consensus 0 a head's keep-score is its own

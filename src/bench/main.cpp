@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -62,6 +63,8 @@ sweep
 engine
   --sink N, --recent N      protected first / last tokens (default: the policy's, else 4 and 16)
   --combine NAME            per-head score combination: sum_softmax (default), max_softmax, mean, mean_rank
+  --stretch X               shared mode: the budget the ranking's confident picks (keep-score >= X x the mean) leave
+                            is an unbroken stretch of the oldest unprotected tokens (default 0: off)
   --evict-fraction F        a full cache sheds at least F x budget at once while decoding (default 0.0625)
   --kv-modes LIST           shared (one token set for all heads, default), per_head (each layer and KV head keeps
                             and evicts its own tokens; the patched llama.cpp of python -m kvp_cpp.llama_build, which
@@ -125,16 +128,28 @@ int64_t parse_int(const std::string& flag, const std::string& text, int64_t min)
     return value;
 }
 
-double parse_fraction(const std::string& flag, const std::string& text) {
+// NaN when the whole text is not a number.
+double parse_number(const std::string& text) {
     size_t used = 0;
-    double value = -1;
+    double value = NAN;
     try {
         value = std::stod(text, &used);
     } catch (const std::exception&) {
         used = 0;
     }
-    if (used != text.size() || text.empty() || !(value >= 0.0 && value <= 1.0))
-        throw UsageError(flag + " needs a number in [0, 1], got '" + text + "'");
+    return used == text.size() && !text.empty() ? value : NAN;
+}
+
+double parse_fraction(const std::string& flag, const std::string& text) {
+    const double value = parse_number(text);
+    if (!(value >= 0.0 && value <= 1.0)) throw UsageError(flag + " needs a number in [0, 1], got '" + text + "'");
+    return value;
+}
+
+double parse_nonnegative(const std::string& flag, const std::string& text) {
+    const double value = parse_number(text);
+    if (!(value >= 0.0) || !std::isfinite(value))
+        throw UsageError(flag + " needs a finite number >= 0, got '" + text + "'");
     return value;
 }
 
@@ -174,6 +189,7 @@ Options parse_args(int argc, char** argv) {
         else if (flag == "--sink") o.engine.n_sink = parse_int(flag, value(), 0);
         else if (flag == "--recent") o.engine.n_recent = parse_int(flag, value(), 1);
         else if (flag == "--combine") o.engine.combine = head_combine_from_name(value());
+        else if (flag == "--stretch") o.engine.stretch = parse_nonnegative(flag, value());
         else if (flag == "--evict-fraction") o.engine.evict_fraction = parse_fraction(flag, value());
         else if (flag == "--head-consensus") o.engine.head_consensus = parse_fraction(flag, value());
         else if (flag == "--scoring") o.engine.scoring = scoring_path_from_name(value());
@@ -303,6 +319,11 @@ void check_policies(const std::vector<PolicyFactory>& policies, const Options& o
     const bool per_head = includes_per_head(o.kv_modes);
     if (o.engine.head_consensus.value_or(0.0) != 0.0 && !per_head)
         throw std::invalid_argument("--head-consensus applies to per-head eviction: add --kv-modes per_head");
+    if (o.engine.stretch != 0.0 && per_head)
+        throw std::invalid_argument("--stretch applies to shared mode only: drop per_head from --kv-modes");
+    if (o.engine.stretch != 0.0 && o.engine.combine != HeadCombine::sum_softmax &&
+        o.engine.combine != HeadCombine::max_softmax)
+        throw std::invalid_argument("--stretch needs --combine sum_softmax or max_softmax");
     for (const PolicyFactory& policy : policies) {
         if (policy.is_full()) continue;
         const bool runs = std::any_of(o.kv_modes.begin(), o.kv_modes.end(), [&](const std::string& mode) {
@@ -365,7 +386,8 @@ int run_speed_benchmark(const Options& o) {
         {"config", {{"policies", policies_json(policies)}, {"budgets", o.budgets}, {"contexts", o.contexts},
                     {"decode_tokens", o.decode_tokens}, {"tokens", o.text_path.empty() ? "random" : o.text_path},
                     {"threads", o.n_threads}, {"batch_size", o.n_batch}, {"flash_attn", o.flash_attn},
-                    {"combine", head_combine_name(o.engine.combine)}, {"evict_fraction", o.engine.evict_fraction},
+                    {"combine", head_combine_name(o.engine.combine)}, {"stretch", o.engine.stretch},
+                    {"evict_fraction", o.engine.evict_fraction},
                     {"kv_modes", o.kv_modes}, {"head_consensus", head_consensus_json(o)},
                     {"scoring", scoring_path_name(o.engine.scoring)},
                     {"evict_unit", eviction_unit_name(o.engine.eviction_unit)}}},
@@ -445,6 +467,7 @@ int run_benchmark(const Options& o) {
                         {"max_new_tokens", o.max_new_tokens},
                         {"seed", o.engine.seed},
                         {"combine", head_combine_name(o.engine.combine)},
+                        {"stretch", o.engine.stretch},
                         {"evict_fraction", o.engine.evict_fraction},
                         {"kv_modes", o.kv_modes},
                         {"head_consensus", head_consensus_json(o)},

@@ -92,6 +92,7 @@ std::unique_ptr<Engine> PolicyFactory::make_engine(int64_t budget, bool per_head
     if (per_head) config.head_consensus = options_.head_consensus;
     config.scoring = options_.scoring;
     config.eviction_unit = options_.eviction_unit;
+    config.stretch = options_.stretch;  // check_policies refuses it with per_head
     return std::make_unique<Engine>(model_, make_policy(), config);
 }
 

@@ -24,6 +24,7 @@ struct EngineOptions {
     std::optional<double> head_consensus;  // per-head engines' share of all heads' vote; unset: kDefaultHeadConsensus
     ScoringPath scoring = ScoringPath::automatic;  // where learned policies' MLPs run
     EvictionUnit eviction_unit = EvictionUnit::word;  // the library's default too
+    double stretch = 0.0;  // EngineConfig::stretch
 };
 
 class PolicyFactory {

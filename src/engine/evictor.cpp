@@ -128,14 +128,41 @@ std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector
     return keep;
 }
 
-std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, size_t n_evict, HeadCombine combine) {
+size_t stretch_length(const Ledger& ledger, const std::vector<size_t>& candidates, const std::vector<double>& keep,
+                      size_t n_evict, double stretch) {
+    if (!(stretch >= 0.0) || !std::isfinite(stretch))
+        throw std::invalid_argument("kv_stretch must be a finite number >= 0, got " + std::to_string(stretch));
+    if (stretch == 0.0 || n_evict >= candidates.size()) return 0;
+    double total = 0.0;
+    size_t n_finite = 0;
+    for (double k : keep)
+        if (std::isfinite(k)) total += k, ++n_finite;
+    if (n_finite == 0) return 0;
+    const double threshold = stretch * total / double(n_finite);
+    const size_t confident = size_t(std::count_if(keep.begin(), keep.end(), [&](double k) {
+        return std::isfinite(k) && k >= threshold;
+    }));
+    const size_t n_keep = candidates.size() - n_evict;
+    size_t length = n_keep > confident ? n_keep - confident : 0;
+    while (length > 0 && length < candidates.size() &&
+           ledger.word(candidates[length]) == ledger.word(candidates[length - 1]))
+        --length;  // the stretch ends where a word does
+    return length;
+}
+
+std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, size_t n_evict, HeadCombine combine,
+                                   double stretch) {
     const std::vector<size_t> candidates = eviction_candidates(ledger, protection);
     if (n_evict > candidates.size())
         throw std::logic_error("cannot evict " + std::to_string(n_evict) + " tokens: only " +
                                std::to_string(candidates.size()) + " are not protected");
+    if (stretch != 0.0 && combine != HeadCombine::sum_softmax && combine != HeadCombine::max_softmax)
+        throw std::invalid_argument(std::string("kv_stretch needs a softmax head combination (keep-scores >= 0), not ") +
+                                    head_combine_name(combine));
     const std::vector<double> keep = combined_keep_scores(ledger, candidates, combine);
-    std::vector<size_t> order(candidates.size());
-    std::iota(order.begin(), order.end(), size_t(0));
+    const size_t kept_whole = stretch_length(ledger, candidates, keep, n_evict, stretch);
+    std::vector<size_t> order(candidates.size() - kept_whole);
+    std::iota(order.begin(), order.end(), kept_whole);
     // Candidates are in logical order, so comparing positions in `order` breaks ties towards the older token.
     auto lower_keep = [&](size_t a, size_t b) { return keep[a] < keep[b] || (keep[a] == keep[b] && a < b); };
     std::nth_element(order.begin(), order.begin() + n_evict, order.end(), lower_keep);

@@ -673,6 +673,112 @@ void test_word_scores() {
     std::printf("  evictor: word-level scores\n");
 }
 
+// The stretch (select_victims with stretch > 0), against a reference written from its contract: candidates whose
+// keep-score reaches stretch x the mean are confident; the first n_keep - confident candidates (backed off to a
+// word's start) are kept whole; the rest is ranked as usual, ties to the older, by a full stable sort.
+std::vector<size_t> reference_stretch_victims(const kvp::Ledger& ledger, kvp::Protection protection, size_t n_evict,
+                                              kvp::HeadCombine combine, double stretch, size_t* kept_whole) {
+    const std::vector<size_t> candidates = kvp::eviction_candidates(ledger, protection);
+    const std::vector<double> keep = kvp::combined_keep_scores(ledger, candidates, combine);
+    double total = 0.0;
+    size_t finite = 0, confident = 0;
+    for (double k : keep)
+        if (std::isfinite(k)) total += k, ++finite;
+    for (double k : keep) confident += std::isfinite(k) && finite && k >= stretch * total / double(finite);
+    const size_t n_keep = candidates.size() - n_evict;
+    size_t length = stretch == 0.0 || n_keep <= confident ? 0 : n_keep - confident;
+    while (length > 0 && length < candidates.size() &&
+           ledger.word(candidates[length]) == ledger.word(candidates[length - 1]))
+        --length;
+    *kept_whole = length;
+    std::vector<size_t> rest;
+    for (size_t c = length; c < candidates.size(); ++c) rest.push_back(c);
+    std::stable_sort(rest.begin(), rest.end(), [&](size_t a, size_t b) { return keep[a] < keep[b]; });
+    std::vector<size_t> victims;
+    for (size_t r = 0; r < n_evict; ++r) victims.push_back(candidates[rest[r]]);
+    std::sort(victims.begin(), victims.end());
+    return victims;
+}
+
+void test_stretch() {
+    using V = std::vector<size_t>;
+    const kvp::Protection protection{1, 1};
+    // Twelve tokens, candidates logical 1..10, all scoring 0 but logical 8 (10): under sum_softmax 8 keeps almost
+    // 1 and the others e^-10 each, so with a mean of 0.1 only 8 is confident at stretch 4. Keeping 5 of 10: a
+    // stretch of 4 (logical 1..4) and 8.
+    std::vector<std::vector<float>> spike(12, std::vector<float>{0.0f});
+    spike[8][0] = 10.0f;
+    std::vector<int64_t> logical(12);
+    for (int64_t i = 0; i < 12; ++i) logical[size_t(i)] = i;
+    const kvp::Ledger one = make_ledger(logical, spike);
+    const std::vector<size_t> candidates = kvp::eviction_candidates(one, protection);
+    const auto keep = kvp::combined_keep_scores(one, candidates, kvp::HeadCombine::sum_softmax);
+    CHECK(kvp::stretch_length(one, candidates, keep, 5, 4.0) == 4);
+    CHECK(kvp::stretch_length(one, candidates, keep, 5, 0.0) == 0);
+    CHECK(kvp::select_victims(one, protection, 5, kvp::HeadCombine::sum_softmax, 4.0) == (V{5, 6, 7, 9, 10}));
+    CHECK(kvp::select_victims(one, protection, 5, kvp::HeadCombine::sum_softmax) == (V{1, 2, 3, 4, 5}));
+    // a threshold nothing reaches: the whole of what is kept is the stretch, like a sink of n_sink + n_keep
+    CHECK(kvp::select_victims(one, protection, 5, kvp::HeadCombine::max_softmax, 20.0) == (V{6, 7, 8, 9, 10}));
+    CHECK(kvp::select_victims(one, protection, 10, kvp::HeadCombine::sum_softmax, 4.0).size() == 10);
+    // The stretch ends where a word does: logical 4 and 5 are one word, so it stops after 3, and the two kept
+    // besides it are 8 and the newest of the tied rest (10).
+    kvp::Ledger words(1);
+    words.set_word_groups(true);
+    for (int64_t i = 0; i < 12; ++i) {
+        words.append(i, i, i, i == 5 ? 4 : i);
+        words.scores(size_t(i))[0] = spike[size_t(i)][0];
+    }
+    CHECK(kvp::select_victims(words, protection, 5, kvp::HeadCombine::sum_softmax, 4.0) == (V{4, 5, 6, 7, 9}));
+    CHECK(throws<std::invalid_argument>([&] { kvp::select_victims(one, protection, 5, kvp::HeadCombine::mean, 4.0); }));
+    CHECK(throws<std::invalid_argument>([&] { kvp::select_victims(one, protection, 5, kvp::HeadCombine::sum_softmax, -1.0); }));
+    CHECK(throws<std::invalid_argument>([&] { kvp::select_victims(one, protection, 5, kvp::HeadCombine::sum_softmax, NAN); }));
+
+    // Random ledgers (three columns, words of one to three tokens, a few non-finite scores) against the reference,
+    // and the contract's promise: no candidate of the stretch leaves, and neither does a confident one after it.
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    bool same = true, promise = true;
+    for (int trial = 0; trial < 300; ++trial) {
+        const size_t n = 8 + rng() % 40;
+        kvp::Ledger ledger(3);
+        ledger.set_word_groups(true);
+        int64_t word = 0;
+        for (size_t i = 0; i < n; ++i) {
+            if (rng() % 3 != 0) word = int64_t(i);
+            ledger.append(int64_t(i), int64_t(i), int64_t(i), word);
+            for (int c = 0; c < 3; ++c)
+                ledger.scores(i)[c] = rng() % 50 == 0 ? NAN : normal(rng) * (rng() % 8 == 0 ? 4.0f : 1.0f);
+        }
+        kvp::share_word_scores(ledger);
+        const kvp::Protection p{uint32_t(rng() % 3), uint32_t(1 + rng() % 3)};
+        const std::vector<size_t> cand = kvp::eviction_candidates(ledger, p);
+        if (cand.empty()) continue;
+        const size_t n_evict = rng() % (cand.size() + 1);
+        const double stretch = std::vector<double>{0.0, 0.5, 1.0, 2.0, 4.0}[rng() % 5];
+        const auto combine = rng() % 2 ? kvp::HeadCombine::sum_softmax : kvp::HeadCombine::max_softmax;
+        size_t kept_whole = 0;
+        const V expected = reference_stretch_victims(ledger, p, n_evict, combine, stretch, &kept_whole);
+        const V victims = kvp::select_victims(ledger, p, n_evict, combine, stretch);
+        same &= victims == expected;
+        const auto k = kvp::combined_keep_scores(ledger, cand, combine);
+        double total = 0.0;
+        size_t finite = 0;
+        for (double x : k)
+            if (std::isfinite(x)) total += x, ++finite;
+        auto confident = [&](size_t c) { return stretch > 0 && std::isfinite(k[c]) && k[c] >= stretch * total / double(finite); };
+        size_t confident_after = 0;
+        for (size_t c = kept_whole; c < cand.size(); ++c) confident_after += confident(c);
+        const bool all_fit = cand.size() - n_evict - kept_whole >= confident_after;
+        for (size_t c = 0; c < cand.size(); ++c) {
+            const bool gone = std::binary_search(victims.begin(), victims.end(), cand[c]);
+            if (gone && (c < kept_whole || (all_fit && confident(c)))) promise = false;
+        }
+    }
+    CHECK(same);
+    CHECK(promise);
+    std::printf("  evictor: the stretch\n");
+}
+
 // Word groups travel with the image (a third magic): each entry's word and token id.
 void test_word_ledger_image() {
     for (int n_holders : {0, 3}) {
@@ -778,6 +884,7 @@ int main(int argc, char** argv) {
         test_ledger_image();
         test_per_head_ledger_image();
         test_word_scores();
+        test_stretch();
         test_word_ledger_image();
         test_keydiff_per_head();
     } catch (const std::exception& e) {
