@@ -157,12 +157,12 @@ Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy,
         throw std::invalid_argument("kv_head_consensus applies to kv_mode='per_head' only");
     config_.head_consensus = consensus;
     if (!(config_.stretch >= 0.0) || !std::isfinite(config_.stretch))
-        throw std::invalid_argument("kv_stretch must be a finite number >= 0, got " + std::to_string(config_.stretch));
+        throw std::invalid_argument("the stretch must be a finite number >= 0, got " + std::to_string(config_.stretch));
     if (config_.stretch != 0.0 && config_.per_head)
-        throw std::invalid_argument("kv_stretch applies to kv_mode='shared' only");
+        throw std::invalid_argument("the stretch applies to shared mode only");
     if (config_.stretch != 0.0 && config_.combine != HeadCombine::sum_softmax && config_.combine != HeadCombine::max_softmax)
-        throw std::invalid_argument(std::string("kv_stretch needs kv_head_combine 'sum_softmax' or 'max_softmax', not '") +
-                                    head_combine_name(config_.combine) + "'");
+        throw std::invalid_argument(std::string("the stretch needs the sum_softmax or max_softmax head combination, not ") +
+                                    head_combine_name(config_.combine));
     if (config_.per_head && config_.position_mode != PositionMode::original)
         throw std::invalid_argument("kv_mode='per_head' keeps original positions: use kv_position_mode='original'");
     if (config_.compact_limit <= 0) config_.compact_limit = identity_.n_ctx_train;
@@ -520,7 +520,8 @@ const Ledger& Engine::ranking_ledger() {
 void Engine::evict(size_t n_evict) {
     if (ledger_.n_holders()) return evict_per_head(n_evict);
     const auto start = Clock::now();
-    const std::vector<size_t> victims = select_victims(ranking_ledger(), config_.protection, n_evict, config_.combine, config_.stretch);
+    const std::vector<size_t> victims =
+        select_victims(ranking_ledger(), config_.protection, n_evict, config_.combine, config_.stretch);
     std::vector<int64_t> positions, logical;
     positions.reserve(victims.size());
     logical.reserve(victims.size());
