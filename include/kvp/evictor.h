@@ -61,7 +61,9 @@ std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector
 // stands out, and counting a text's words needs an unbroken part of it (models/README.md, "What fwe needs").
 std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, size_t n_evict, HeadCombine combine,
                                    double stretch = 0.0);
-// The length of that stretch, in candidates; 0 with stretch 0.
+// Throws std::invalid_argument unless stretch is finite and >= 0, and, when it is not 0, combine is a softmax one.
+void check_stretch(double stretch, HeadCombine combine);
+// The length of that stretch, in candidates; 0 with stretch 0. stretch as check_stretch accepts it.
 size_t stretch_length(const Ledger& ledger, const std::vector<size_t>& candidates, const std::vector<double>& keep,
                       size_t n_evict, double stretch);
 

@@ -156,13 +156,9 @@ Engine::Engine(const llama_model* model, std::unique_ptr<EvictionPolicy> policy,
     if (consensus != 0.0 && !config_.per_head)
         throw std::invalid_argument("kv_head_consensus applies to kv_mode='per_head' only");
     config_.head_consensus = consensus;
-    if (!(config_.stretch >= 0.0) || !std::isfinite(config_.stretch))
-        throw std::invalid_argument("the stretch must be a finite number >= 0, got " + std::to_string(config_.stretch));
+    check_stretch(config_.stretch, config_.combine);
     if (config_.stretch != 0.0 && config_.per_head)
         throw std::invalid_argument("the stretch applies to shared mode only");
-    if (config_.stretch != 0.0 && config_.combine != HeadCombine::sum_softmax && config_.combine != HeadCombine::max_softmax)
-        throw std::invalid_argument(std::string("the stretch needs the sum_softmax or max_softmax head combination, not ") +
-                                    head_combine_name(config_.combine));
     if (config_.per_head && config_.position_mode != PositionMode::original)
         throw std::invalid_argument("kv_mode='per_head' keeps original positions: use kv_position_mode='original'");
     if (config_.compact_limit <= 0) config_.compact_limit = identity_.n_ctx_train;

@@ -128,10 +128,16 @@ std::vector<double> combined_keep_scores(const Ledger& ledger, const std::vector
     return keep;
 }
 
-size_t stretch_length(const Ledger& ledger, const std::vector<size_t>& candidates, const std::vector<double>& keep,
-                      size_t n_evict, double stretch) {
+void check_stretch(double stretch, HeadCombine combine) {
     if (!(stretch >= 0.0) || !std::isfinite(stretch))
         throw std::invalid_argument("the stretch must be a finite number >= 0, got " + std::to_string(stretch));
+    if (stretch != 0.0 && combine != HeadCombine::sum_softmax && combine != HeadCombine::max_softmax)
+        throw std::invalid_argument(std::string("the stretch needs a softmax head combination (keep-scores >= 0), not ") +
+                                    head_combine_name(combine));
+}
+
+size_t stretch_length(const Ledger& ledger, const std::vector<size_t>& candidates, const std::vector<double>& keep,
+                      size_t n_evict, double stretch) {
     if (stretch == 0.0 || n_evict >= candidates.size()) return 0;
     double total = 0.0;
     size_t n_finite = 0;
@@ -156,9 +162,7 @@ std::vector<size_t> select_victims(const Ledger& ledger, Protection protection, 
     if (n_evict > candidates.size())
         throw std::logic_error("cannot evict " + std::to_string(n_evict) + " tokens: only " +
                                std::to_string(candidates.size()) + " are not protected");
-    if (stretch != 0.0 && combine != HeadCombine::sum_softmax && combine != HeadCombine::max_softmax)
-        throw std::invalid_argument(std::string("the stretch needs a softmax head combination (keep-scores >= 0), not ") +
-                                    head_combine_name(combine));
+    check_stretch(stretch, combine);
     const std::vector<double> keep = combined_keep_scores(ledger, candidates, combine);
     const size_t kept_whole = stretch_length(ledger, candidates, keep, n_evict, stretch);
     std::vector<size_t> order(candidates.size() - kept_whole);

@@ -677,14 +677,19 @@ void test_word_scores() {
 // keep-score reaches stretch x the mean are confident; the first n_keep - confident candidates (backed off to a
 // word's start) are kept whole; the rest is ranked as usual, ties to the older, by a full stable sort.
 std::vector<size_t> reference_stretch_victims(const kvp::Ledger& ledger, kvp::Protection protection, size_t n_evict,
-                                              kvp::HeadCombine combine, double stretch, size_t* kept_whole) {
+                                              kvp::HeadCombine combine, double stretch, size_t* kept_whole,
+                                              std::vector<bool>* is_confident) {
     const std::vector<size_t> candidates = kvp::eviction_candidates(ledger, protection);
     const std::vector<double> keep = kvp::combined_keep_scores(ledger, candidates, combine);
     double total = 0.0;
     size_t finite = 0, confident = 0;
     for (double k : keep)
         if (std::isfinite(k)) total += k, ++finite;
-    for (double k : keep) confident += std::isfinite(k) && finite && k >= stretch * total / double(finite);
+    is_confident->clear();
+    for (double k : keep) {
+        is_confident->push_back(stretch > 0 && std::isfinite(k) && k >= stretch * total / double(finite));
+        confident += is_confident->back();
+    }
     const size_t n_keep = candidates.size() - n_evict;
     size_t length = stretch == 0.0 || n_keep <= confident ? 0 : n_keep - confident;
     while (length > 0 && length < candidates.size() &&
@@ -757,21 +762,15 @@ void test_stretch() {
         const double stretch = std::vector<double>{0.0, 0.5, 1.0, 2.0, 4.0}[rng() % 5];
         const auto combine = rng() % 2 ? kvp::HeadCombine::sum_softmax : kvp::HeadCombine::max_softmax;
         size_t kept_whole = 0;
-        const V expected = reference_stretch_victims(ledger, p, n_evict, combine, stretch, &kept_whole);
+        std::vector<bool> confident;
+        const V expected = reference_stretch_victims(ledger, p, n_evict, combine, stretch, &kept_whole, &confident);
         const V victims = kvp::select_victims(ledger, p, n_evict, combine, stretch);
         same &= victims == expected;
-        const auto k = kvp::combined_keep_scores(ledger, cand, combine);
-        double total = 0.0;
-        size_t finite = 0;
-        for (double x : k)
-            if (std::isfinite(x)) total += x, ++finite;
-        auto confident = [&](size_t c) { return stretch > 0 && std::isfinite(k[c]) && k[c] >= stretch * total / double(finite); };
-        size_t confident_after = 0;
-        for (size_t c = kept_whole; c < cand.size(); ++c) confident_after += confident(c);
+        const size_t confident_after = size_t(std::count(confident.begin() + std::ptrdiff_t(kept_whole), confident.end(), true));
         const bool all_fit = cand.size() - n_evict - kept_whole >= confident_after;
         for (size_t c = 0; c < cand.size(); ++c) {
             const bool gone = std::binary_search(victims.begin(), victims.end(), cand[c]);
-            if (gone && (c < kept_whole || (all_fit && confident(c)))) promise = false;
+            if (gone && (c < kept_whole || (all_fit && confident[c]))) promise = false;
         }
     }
     CHECK(same);
