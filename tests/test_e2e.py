@@ -1,0 +1,81 @@
+"""training.e2e: the Plackett–Luce picks' log-probability against brute force, the shared score, the kept set, and
+a short fine-tuning run that writes a loadable policy (its reward: tests/test_likelihood.py)."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvp_cpp import policy_file as pf  # noqa: E402
+from training import e2e  # noqa: E402
+
+
+def test_picks_log_prob_matches_the_sequential_choice_probabilities():
+    logits = torch.tensor([0.3, -1.2, 2.0, 0.5, 0.0], dtype=torch.float64)
+    n, n_picks = logits.shape[0], 2
+    weights = torch.exp(logits).numpy()
+    total = 0.0
+    for picks in itertools.permutations(range(n), n_picks):
+        rest = [i for i in range(n) if i not in picks]
+        order = torch.tensor([list(picks) + rest])
+        p = 1.0
+        remaining = list(range(n))
+        for pick in picks:  # choose `pick` among what is left, with probability proportional to exp(logit)
+            p *= weights[pick] / weights[remaining].sum()
+            remaining.remove(pick)
+        assert float(e2e.picks_log_prob(logits, order, n_picks)[0]) == pytest.approx(np.log(p), rel=1e-12)
+        total += p
+    assert total == pytest.approx(1.0)  # the ordered picks of size 2 are a distribution
+    # the tail's order does not matter, and no picks have probability one
+    order = torch.tensor([[2, 0, 1, 3, 4], [2, 0, 4, 3, 1]])
+    values = e2e.picks_log_prob(logits, order, 2)
+    assert float(values[0]) == float(values[1])
+    assert float(e2e.picks_log_prob(logits, order, 0)[0]) == 0.0
+
+
+def test_shared_log_score_is_the_log_of_the_summed_softmaxes():
+    scores = torch.tensor([[0.0, 1.0, 2.0], [3.0, -1.0, 0.5]], dtype=torch.float64)
+    softmax = np.exp(scores.numpy()) / np.exp(scores.numpy()).sum(-1, keepdims=True)
+    np.testing.assert_allclose(e2e.shared_log_score(scores).numpy(), np.log(softmax.sum(0)), rtol=1e-12)
+
+
+def test_kept_mask_keeps_sinks_recent_and_the_first_picks():
+    kept = e2e.kept_mask(12, 2, 3, np.array([4, 0, 6, 1, 2, 3, 5]), 2)
+    assert np.flatnonzero(kept).tolist() == [0, 1, 2, 6, 9, 10, 11]
+
+
+def test_a_short_run_fine_tunes_and_writes_a_loadable_policy(tmp_path):
+    from kvp_cpp import _core
+
+    identity = pf.smollm2_identity()
+    init = tmp_path / "init.kvp.bin"
+    policy = pf.random_policy(**identity, hidden=(4,), seed=3)
+    policy.recency = {slot: np.linspace(-0.5, 0.5, 14).astype(np.float32) for slot in policy.agents}
+    pf.write_policy(init, policy)
+    out = tmp_path / "e2e.kvp.bin"
+    e2e.main(["--init", str(init), "--out", str(out), "--tasks", "niah_single_1", "--samples-per-task", "1",
+              "--length", "512", "--budgets", "128", "--steps", "2", "--samples", "3", "--quiet", "-t", "2"])
+    before, after = pf.read_policy(init), pf.read_policy(out)
+    assert after.identity() == before.identity() and after.hidden == before.hidden
+    changed = [not np.array_equal(after.agents[s].weights[0], before.agents[s].weights[0]) for s in before.agents]
+    assert any(changed)
+    assert any(not np.array_equal(after.recency[s], before.recency[s]) for s in before.agents)
+    record = after.metadata["e2e"]
+    assert record["steps"] == 2 and record["episodes"] == 1
+    assert np.isfinite([record["greedy_nll_before"], record["greedy_nll_after"]]).all()
+    _core.load_policy(str(out))  # the C++ loader accepts it
+
+
+def test_bad_input_is_refused_with_the_reason(tmp_path):
+    other = tmp_path / "other.kvp.bin"
+    pf.write_policy(other, pf.random_policy(arch="llama", n_layer=2, n_head_kv=1, head_dim_k=8, head_dim_v=8,
+                                            n_ctx_train=512, hidden=(4,)))
+    with pytest.raises(ValueError, match="trained for another model"):
+        e2e.main(["--init", str(other), "--out", str(tmp_path / "x.kvp.bin"), "--steps", "1", "--quiet"])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--init", str(other), "--out", "x", "--tasks", "niah_single_1,qa_1"])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--init", str(other), "--out", "x", "--samples", "1"])

@@ -1,0 +1,257 @@
+"""End-to-end fine-tuning: the reward of a kept set is the model's own likelihood of the answer read from it.
+
+    python -m training.e2e --init models/smollm2-135m-instruct.kvp.bin --samples-per-task 5 --steps 200 \
+        --out e2e.kvp.bin
+
+Every target the other objectives fit is token by token (the attention a token will receive), and on counting
+tasks (fwe) the sets they prefer score worse than keydiff's: `benchmarks/kept_set_criteria.py` shows that neither the
+target nor the attention outputs of a kept set order two policies' sets as their task scores do, while the model's
+likelihood of the gold answer from the compressed cache does. This objective uses that likelihood directly.
+
+Each episode is a RULER sample (task t drawn with seed --seed + t, as training.capture_traces draws the trace
+corpus; every 5th sample of a task, held out there, is skipped) whose prompt, all but its last token, is prefilled
+once into a stock llama.cpp context: its keys and values are the agents' inputs, and the context's state is saved.
+A step takes one episode and one budget, scores the prompt with the policy (its agents' scores plus recency terms,
+combined over heads as shared eviction does, ``sum_softmax``) and draws K kept sets from the Plackett–Luce
+distribution of the combined score (Gumbel-sort; the first 4 and last 16 tokens always kept, then the first
+budget − 20 of the sampled order). A kept set's reward is minus the answer's mean negative log-likelihood when the
+model reads it from the context with the other tokens removed (``llama_memory_seq_rm``, original positions, as the
+engine evicts); the update is RLOO on the log-probability of the sampled picks, starting from a trained policy
+(``--init``), with AdamW, cosine decay and per-agent clipping at 5. Kept sets are drawn token by token; the engine's
+default unit, whole words, is not modelled here.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import numpy as np
+import torch
+
+from kvp_cpp import policy_file as pf
+
+from . import rl
+from .likelihood import AnswerLikelihood
+
+__all__ = ["Episode", "shared_log_score", "picks_log_prob", "kept_mask", "stack_from_policy", "build_episodes",
+           "combined_logits", "greedy_nll", "train", "main"]
+
+
+def shared_log_score(scores: torch.Tensor) -> torch.Tensor:
+    """log Σ_a softmax_a(scores[a]) over the agents of scores (A, n): the log of shared eviction's sum_softmax."""
+    return torch.logsumexp(torch.log_softmax(scores, dim=-1), dim=0)
+
+
+def picks_log_prob(logits: torch.Tensor, orders: torch.Tensor, n_picks: int) -> torch.Tensor:
+    """log-probability (K,) of the first n_picks of each order (K, n) under the Plackett–Luce distribution of logits
+    (n,): Σ_{r < n_picks} [z_σr − log Σ_{t ≥ r} exp z_σt]."""
+    ordered = logits.unsqueeze(0).expand_as(orders).gather(-1, orders)
+    suffix = torch.logcumsumexp(ordered.flip(-1), dim=-1).flip(-1)
+    return (ordered - suffix)[:, :n_picks].sum(-1)
+
+
+def kept_mask(n_tokens: int, n_sink: int, n_recent: int, order: np.ndarray, n_picks: int) -> np.ndarray:
+    """The kept tokens of a prompt of n_tokens: the sinks, the recent ones and the first n_picks of ``order``, an
+    order of the rankable tokens n_sink … n_tokens − n_recent − 1 given as offsets from n_sink."""
+    kept = np.zeros(n_tokens, bool)
+    kept[:n_sink] = True
+    kept[n_tokens - n_recent:] = True
+    kept[n_sink + np.asarray(order[:n_picks], np.int64)] = True
+    return kept
+
+
+def stack_from_policy(policy: pf.PolicyData, generator: torch.Generator):
+    """(AgentStack of a policy's agents, their (layer, head) in stack order)."""
+    slots = sorted(policy.agents)
+    first = policy.agents[slots[0]]
+    stack = rl.AgentStack(len(slots), first.shift.shape[0], policy.hidden, policy.activation,
+                          np.stack([policy.agents[s].shift for s in slots]),
+                          np.stack([policy.agents[s].scale for s in slots]), generator,
+                          policy.n_recency_knots if policy.recency else 0)
+    with torch.no_grad():
+        for index, slot in enumerate(slots):
+            agent = policy.agents[slot]
+            for weight, bias, w, b in zip(stack.weights, stack.biases, agent.weights, agent.biases):
+                weight[index] = torch.from_numpy(np.asarray(w, np.float32).T)
+                bias[index, 0] = torch.from_numpy(np.asarray(b, np.float32))
+            if stack.recency is not None:
+                stack.recency[index] = torch.from_numpy(np.asarray(policy.recency[slot], np.float32))
+    return stack, slots
+
+
+@dataclass
+class Episode:
+    name: str
+    inputs: torch.Tensor  # (A, c, D) agent inputs of the prefilled tokens
+    state: object  # the context after prefilling them
+    tail: List[int]  # the prompt's last token and the answer but its last token
+    answer: List[int]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.inputs.shape[1]
+
+
+def build_episodes(args, policy: pf.PolicyData, slots, capture) -> List[Episode]:
+    from kvp_cpp.ruler import SYNTHETIC_TASKS, LlamaTokenizer, generate
+    from tqdm import tqdm
+
+    tokenizer = LlamaTokenizer(capture.llm.model_path)
+    samples = []
+    for task in args.tasks or SYNTHETIC_TASKS:
+        # seeded as training.capture_traces seeds its RULER documents; every 5th is held out there, and skipped here
+        drawn = generate(task, args.length, args.samples_per_task * 5 // 4 + 1, tokenizer, "chat",
+                         seed=args.seed + list(SYNTHETIC_TASKS).index(task))
+        samples += [s for position, s in enumerate(drawn) if position % 5 != 4][:args.samples_per_task]
+    episodes = []
+    layers = sorted({layer for layer, _ in slots})
+    for sample in tqdm(samples, desc="episodes", file=sys.stderr, disable=args.quiet):
+        llm = capture.llm
+        prompt = llm.tokenize((sample["input"] + sample["answer_prefix"]).encode(), add_bos=False, special=True)
+        answer = llm.tokenize((" " + ", ".join(sample["outputs"])).encode(), add_bos=False, special=False)
+        out = capture.run(prompt[:-1])
+        state = llm.save_state()
+        n = len(prompt) - 1
+        features = pf.pos_features(policy.pos_features, np.arange(n))
+        per_layer = {layer: np.concatenate([out["Kcur"][layer].astype(np.float16).astype(np.float32),
+                                            out["Vcur"][layer].astype(np.float16).astype(np.float32)], axis=-1)
+                     for layer in layers}  # (n, H, dk + dv), as the f16 cache holds them
+        inputs = np.stack([np.concatenate([per_layer[layer][:, head], features], axis=-1) for layer, head in slots])
+        episodes.append(Episode(f"{sample['task']}/{sample['index']}", torch.from_numpy(inputs), state,
+                                prompt[-1:] + answer[:-1], answer))
+    return episodes
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m training.e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--init", required=True, help="the trained kvp.bin policy to fine-tune")
+    p.add_argument("--out", required=True)
+    p.add_argument("-m", "--model", default=None)
+    p.add_argument("--tasks", type=lambda t: [x for x in t.split(",") if x], default=None,
+                   help="comma-separated RULER tasks (default: the six synthetic ones)")
+    p.add_argument("--samples-per-task", type=int, default=5)
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--budgets", type=lambda t: [int(x) for x in t.split(",") if x], default=[128, 256, 512, 1024])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--samples", type=int, default=8, help="K, kept sets drawn per step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-t", "--threads", type=int, default=1)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.samples < 2:
+        p.error("--samples must be at least 2 (RLOO)")
+    from kvp_cpp.ruler import SYNTHETIC_TASKS
+
+    unknown = [task for task in args.tasks or () if task not in SYNTHETIC_TASKS]
+    if unknown:
+        p.error(f"--tasks {','.join(unknown)}: not among the synthetic tasks {','.join(SYNTHETIC_TASKS)}")
+    if min(args.steps, args.samples_per_task) < 1 or not args.budgets or min(args.budgets) < 1:
+        p.error("--steps, --samples-per-task and --budgets must be positive")
+    return args
+
+
+def combined_logits(stack, episode: Episode, policy: pf.PolicyData) -> torch.Tensor:
+    """(n_rankable,) log of the heads' summed softmaxes of an episode's rankable tokens, recency terms included."""
+    n = episode.n_tokens
+    rankable = slice(policy.n_sink, n - policy.n_recent)
+    scores = stack(episode.inputs)[:, rankable]
+    if stack.recency is not None:
+        scores = scores + stack.recency_term(torch.from_numpy(n - np.arange(n)[rankable]))
+    return shared_log_score(scores)
+
+
+def budgets_of(episode: Episode, budgets: Sequence[int]) -> List[int]:
+    return [b for b in budgets if b < episode.n_tokens] or [min(budgets)]
+
+
+def greedy_nll(stack, episodes: Sequence[Episode], budgets: Sequence[int], policy: pf.PolicyData,
+               scorer: AnswerLikelihood) -> float:
+    """Mean answer NLL over every (episode, budget) of the kept sets the policy itself would keep (no sampling):
+    whether training raised the reward it is trained on."""
+    values = []
+    with torch.no_grad():
+        for episode in episodes:
+            order = torch.argsort(combined_logits(stack, episode, policy), descending=True, stable=True).numpy()
+            for budget in budgets_of(episode, budgets):
+                kept = kept_mask(episode.n_tokens, policy.n_sink, policy.n_recent, order,
+                                 max(0, budget - policy.n_sink - policy.n_recent))
+                values.append(scorer.nll(episode.state, kept, episode.tail, episode.answer))
+    return float(np.mean(values))
+
+
+def train(args) -> pf.PolicyData:
+    from kvp_cpp import default_model_path, model_identity
+    from kvp_cpp.capture import TensorCapture
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads)
+    generator = torch.Generator().manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    policy = pf.read_policy(args.init)
+    model = args.model or default_model_path()
+    identity = model_identity(model)
+    different = {key: (value, identity.get(key)) for key, value in policy.identity().items()
+                 if identity.get(key) != value}
+    if different:
+        raise ValueError(f"--init {args.init} was trained for another model (policy's value, the model's): {different}")
+    stack, slots = stack_from_policy(policy, generator)
+    capture = TensorCapture(model, names=("Kcur", "Vcur"), layers=sorted({layer for layer, _ in slots}),
+                            n_ctx=args.length + 256, n_threads=args.threads)
+    scorer = AnswerLikelihood(capture.llm, after_decode=capture.recorder.take)
+    episodes = build_episodes(args, policy, slots, capture)
+    before = greedy_nll(stack, episodes, args.budgets, policy, scorer)
+    optimizer = torch.optim.AdamW(stack.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + np.cos(np.pi * s / args.steps)))
+    started = time.time()
+    progress = tqdm(range(args.steps), desc="e2e", file=sys.stderr, disable=args.quiet)
+    for _ in progress:
+        episode = episodes[rng.integers(len(episodes))]
+        budget = int(rng.choice(budgets_of(episode, args.budgets)))
+        n_picks = max(0, budget - policy.n_sink - policy.n_recent)
+        logits = combined_logits(stack, episode, policy)
+        orders = rl.gumbel_rankings(logits.unsqueeze(0), args.samples, generator)[:, 0]  # (K, n_rankable)
+        rewards = torch.tensor([-scorer.nll(episode.state, kept_mask(episode.n_tokens, policy.n_sink, policy.n_recent,
+                                                                       order.numpy(), n_picks),
+                                            episode.tail, episode.answer) for order in orders], dtype=torch.float64)
+        advantages = rl.rloo_advantages(rewards.unsqueeze(-1))[:, 0]
+        advantages = (advantages - advantages.mean()) / (advantages.std(unbiased=False) + 1e-8)
+        loss = -(advantages.to(logits.dtype) * picks_log_prob(logits, orders, n_picks)).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        rl.clip_grad_norm_per_agent_(list(stack.parameters()), args.clip)
+        optimizer.step()
+        schedule.step()
+        progress.set_postfix({"nll": f"{-rewards.mean():.3f}", "budget": budget}, refresh=False)
+    wall_time = time.time() - started
+    after = greedy_nll(stack, episodes, args.budgets, policy, scorer)
+    capture.close()
+    if not args.quiet:
+        print(f"e2e: the policy's own kept sets, mean answer NLL over the {len(episodes)} episodes and their budgets: "
+              f"{before:.4f} before, {after:.4f} after", file=sys.stderr)
+    result = copy.deepcopy(policy)
+    for index, slot in enumerate(slots):
+        result.agents[slot] = stack.export(index)
+        if stack.recency is not None:
+            result.recency[slot] = stack.recency[index].detach().numpy().copy()
+    result.metadata = dict(policy.metadata, generator="training.e2e", e2e={
+        "init": args.init, "steps": args.steps, "samples": args.samples, "samples_per_task": args.samples_per_task,
+        "budgets": args.budgets, "lr": args.lr, "seed": args.seed, "episodes": len(episodes),
+        "wall_time_s": round(wall_time, 1), "greedy_nll_before": round(before, 5), "greedy_nll_after": round(after, 5)})
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    pf.write_policy(args.out, train(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
