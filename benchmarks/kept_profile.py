@@ -180,6 +180,18 @@ def load_samples(path: str, per_task: Optional[int]) -> List[dict]:
     return samples
 
 
+def compressed_once(llm, tokens: Sequence[int], budget: int, n_ctx: int) -> np.ndarray:
+    """Prefill ``tokens`` from an empty cache and compress them once to ``budget`` (kvp-bench's oneshot protocol);
+    returns which of them are still cached. The compression's budget stays in force afterwards."""
+    llm.reset()
+    llm.kv_set_budget(n_ctx)  # kv_compress keeps its budget from then on: the prefill must not evict
+    llm.eval(list(tokens))
+    llm.kv_compress(budget)
+    kept = np.zeros(len(tokens), bool)
+    kept[np.asarray(llm.kv_engine.ledger()["logical"], dtype=np.int64)] = True
+    return kept
+
+
 def run(args: argparse.Namespace) -> Dict[str, object]:
     from kvp_cpp import Llama, default_model_path
 
@@ -210,12 +222,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                     verbose=False)
         by_task: Dict[str, List[Dict[str, object]]] = {}
         for sample, tokens, sample_pieces in tqdm(list(zip(samples, prompts, pieces)), desc=name, file=sys.stderr):
-            llm.reset()
-            llm.kv_set_budget(n_ctx)  # kv_compress keeps its budget from then on: the prefill must not evict
-            llm.eval(tokens)
-            llm.kv_compress(args.budget)
-            kept = np.zeros(len(tokens), bool)
-            kept[np.asarray(llm.kv_engine.ledger()["logical"], dtype=np.int64)] = True
+            kept = compressed_once(llm, tokens, args.budget, n_ctx)
             answer = answer_mask(sample_pieces, sample["outputs"])
             profile = kept_profile(kept, answer)
             if sample["task"] in COUNTING_TASKS:

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for training/
-from training.importance import causal_attention  # noqa: E402
+from training.importance import causal_attention, received as attention_received  # noqa: E402
 from training.likelihood import decode_answer_nll  # noqa: E402
 
 CRITERIA = ("lost", "output", "nll")
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     from tqdm import tqdm
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from kept_profile import load_samples, policy_argument
+    from kept_profile import compressed_once, load_samples, policy_argument
 
     samples = load_samples(args.tasks, args.samples)
     if not samples:
@@ -193,23 +193,14 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         values = {layer: out["Vcur"][layer].astype(np.float16) for layer in layers}
         scale = 1.0 / np.sqrt(k[layers[0]].shape[-1])
         weights = {layer: causal_attention(q[layer][context:], k[layer], scale, context) for layer in layers}
-        received = {}
-        for layer in layers:  # max over the GQA group, summed over the queries: training.importance's target
-            w = weights[layer][:, :, :context]
-            n_kv = k[layer].shape[1]
-            received[layer] = w.reshape(w.shape[0], n_kv, -1, context).max(axis=2).sum(axis=0)
+        received = {layer: attention_received(weights[layer][:, :, :context], k[layer].shape[1]) for layer in layers}
         full.reset()
         full.eval(prompt[:-1])
         nll_full = decode_answer_nll(full, prompt[-1:] + answer[:-1], answer)
         for budget in args.budgets:
             for name, llm in engines.items():
-                llm.reset()
-                llm.kv_set_budget(n_ctx)  # the prefill must not evict, nor the answer after the compression
-                llm.eval(prompt[:-1])
-                llm.kv_compress(budget)
-                llm.kv_set_budget(n_ctx)
-                kept = np.zeros(context, bool)
-                kept[np.asarray(llm.kv_engine.ledger()["logical"], dtype=np.int64)] = True
+                kept = compressed_once(llm, prompt[:-1], budget, n_ctx)
+                llm.kv_set_budget(n_ctx)  # the answer after the compression must not evict either
                 visible = np.concatenate([kept, np.ones(len(sequence) - context, bool)])
                 records.append({
                     "task": sample["task"], "index": sample["index"], "budget": budget, "policy": name,

@@ -27,6 +27,7 @@ import copy
 import sys
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import List, Sequence
 
 import numpy as np
@@ -116,11 +117,11 @@ def build_episodes(args, policy: pf.PolicyData, slots, capture) -> List[Episode]
         out = capture.run(prompt[:-1])
         state = llm.save_state()
         n = len(prompt) - 1
-        features = pf.pos_features(policy.pos_features, np.arange(n))
-        per_layer = {layer: np.concatenate([out["Kcur"][layer].astype(np.float16).astype(np.float32),
-                                            out["Vcur"][layer].astype(np.float16).astype(np.float32)], axis=-1)
-                     for layer in layers}  # (n, H, dk + dv), as the f16 cache holds them
-        inputs = np.stack([np.concatenate([per_layer[layer][:, head], features], axis=-1) for layer, head in slots])
+        # rl.agent_inputs reads (H, n, d) keys and values per layer, as the f16 cache holds them; its agent order,
+        # layer slot · H + head, is the order of slots
+        per_layer = [SimpleNamespace(**{name: out[node][layer].astype(np.float16).astype(np.float32).transpose(1, 0, 2)
+                                        for name, node in (("k", "Kcur"), ("v", "Vcur"))}) for layer in layers]
+        inputs = rl.agent_inputs(per_layer, pf.pos_features(policy.pos_features, np.arange(n)))
         episodes.append(Episode(f"{sample['task']}/{sample['index']}", torch.from_numpy(inputs), state,
                                 prompt[-1:] + answer[:-1], answer))
     return episodes
