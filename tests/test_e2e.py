@@ -47,26 +47,61 @@ def test_kept_mask_keeps_sinks_recent_and_the_first_picks():
     assert np.flatnonzero(kept).tolist() == [0, 1, 2, 6, 9, 10, 11]
 
 
+def test_held_out_samples_are_the_ones_capture_traces_holds_out():
+    assert e2e.pick_samples(range(30), 12, heldout=False) == [0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13]
+    assert e2e.pick_samples(range(30), 3, heldout=True) == [4, 9, 14]
+
+
+def _tiny_init(tmp_path):
+    init = tmp_path / "init.kvp.bin"
+    policy = pf.random_policy(**pf.smollm2_identity(), hidden=(4,), seed=3)
+    policy.recency = {slot: np.linspace(-0.5, 0.5, 14).astype(np.float32) for slot in policy.agents}
+    pf.write_policy(init, policy)
+    return ["--init", str(init), "--tasks", "niah_single_1", "--samples-per-task", "1", "--length", "512",
+            "--budgets", "128", "--steps", "2", "--samples", "3", "--quiet", "-t", "2"]
+
+
 def test_a_short_run_fine_tunes_and_writes_a_loadable_policy(tmp_path):
     from kvp_cpp import _core
 
-    identity = pf.smollm2_identity()
+    run = _tiny_init(tmp_path)
     init = tmp_path / "init.kvp.bin"
-    policy = pf.random_policy(**identity, hidden=(4,), seed=3)
-    policy.recency = {slot: np.linspace(-0.5, 0.5, 14).astype(np.float32) for slot in policy.agents}
-    pf.write_policy(init, policy)
     out = tmp_path / "e2e.kvp.bin"
-    e2e.main(["--init", str(init), "--out", str(out), "--tasks", "niah_single_1", "--samples-per-task", "1",
-              "--length", "512", "--budgets", "128", "--steps", "2", "--samples", "3", "--quiet", "-t", "2"])
+    e2e.main(run + ["--out", str(out), "--heldout-samples", "1"])
     before, after = pf.read_policy(init), pf.read_policy(out)
     assert after.identity() == before.identity() and after.hidden == before.hidden
     changed = [not np.array_equal(after.agents[s].weights[0], before.agents[s].weights[0]) for s in before.agents]
     assert any(changed)
     assert any(not np.array_equal(after.recency[s], before.recency[s]) for s in before.agents)
     record = after.metadata["e2e"]
-    assert record["steps"] == 2 and record["episodes"] == 1
-    assert np.isfinite([record["greedy_nll_before"], record["greedy_nll_after"]]).all()
+    assert record["steps"] == 2 and record["episodes"] == 1 and record["heldout_episodes"] == 1
+    assert np.isfinite([record[f"{split}greedy_nll_{when}"] for split in ("", "heldout_")
+                        for when in ("before", "after")]).all()
     _core.load_policy(str(out))  # the C++ loader accepts it
+
+
+def test_a_stopped_run_resumes_to_the_policy_of_an_unbroken_one(tmp_path):
+    run = _tiny_init(tmp_path)
+    whole, parts = tmp_path / "whole.kvp.bin", tmp_path / "parts.kvp.bin"
+    e2e.main(run + ["--out", str(whole)])
+    e2e.main(run + ["--out", str(parts), "--stop-at", "1"])
+    assert not parts.exists() and (tmp_path / "parts.kvp.bin.ckpt").exists()
+    with pytest.raises(ValueError, match="another run"):
+        e2e.main(run + ["--out", str(parts), "--resume", "--lr", "0.01"])
+    e2e.main(run + ["--out", str(parts), "--resume"])
+    a, b = pf.read_policy(whole), pf.read_policy(parts)
+    for slot in a.agents:
+        for x, y in zip(a.agents[slot].weights + a.agents[slot].biases, b.agents[slot].weights + b.agents[slot].biases):
+            np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(a.recency[slot], b.recency[slot])
+    for key in ("greedy_nll_before", "greedy_nll_after"):
+        assert a.metadata["e2e"][key] == b.metadata["e2e"][key]
+    measured_only = tmp_path / "measured.kvp.bin"  # --steps 0: the --init policy, measured
+    e2e.main(run[:run.index("--steps")] + ["--steps", "0", "--out", str(measured_only)])
+    c, init = pf.read_policy(measured_only), pf.read_policy(tmp_path / "init.kvp.bin")
+    np.testing.assert_array_equal(c.agents[(0, 0)].weights[0], init.agents[(0, 0)].weights[0])
+    assert c.metadata["e2e"]["greedy_nll_before"] == c.metadata["e2e"]["greedy_nll_after"] == \
+        a.metadata["e2e"]["greedy_nll_before"]
 
 
 def test_bad_input_is_refused_with_the_reason(tmp_path):
@@ -79,3 +114,7 @@ def test_bad_input_is_refused_with_the_reason(tmp_path):
         e2e.parse_args(["--init", str(other), "--out", "x", "--tasks", "niah_single_1,qa_1"])
     with pytest.raises(SystemExit):
         e2e.parse_args(["--init", str(other), "--out", "x", "--samples", "1"])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--init", str(other), "--out", "x", "--steps", "-1"])
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        e2e.main(_tiny_init(tmp_path) + ["--out", str(tmp_path / "none.kvp.bin"), "--resume"])

@@ -19,16 +19,22 @@ model reads it from the context with the other tokens removed (``llama_memory_se
 engine evicts); the update is RLOO on the log-probability of the sampled picks, starting from a trained policy
 (``--init``), with AdamW, cosine decay and per-agent clipping at 5. Kept sets are drawn token by token; the engine's
 default unit, whole words, is not modelled here.
+
+Runs are deterministic for a seed and thread count, checkpoint every --checkpoint-every steps (to OUT.ckpt) and
+continue with --resume. --heldout-samples N also reports the greedy kept sets' NLL on N samples per task that the
+run never trains on (the held-out 5th samples): whether what it learned carries over, before any kvp-bench run.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import math
+import os
 import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,8 +44,12 @@ from kvp_cpp import policy_file as pf
 from . import rl
 from .likelihood import AnswerLikelihood
 
-__all__ = ["Episode", "shared_log_score", "picks_log_prob", "kept_mask", "stack_from_policy", "build_episodes",
-           "combined_logits", "greedy_nll", "train", "main"]
+__all__ = ["Episode", "shared_log_score", "picks_log_prob", "kept_mask", "stack_from_policy", "pick_samples",
+           "build_episodes", "combined_logits", "greedy_nll", "run_config", "train", "main"]
+
+# Arguments that define a run: a checkpoint only resumes a run with the same values.
+RUN_KEYS = ("init", "model", "tasks", "samples_per_task", "length", "budgets", "steps", "samples", "lr",
+            "weight_decay", "clip", "seed")
 
 
 def shared_log_score(scores: torch.Tensor) -> torch.Tensor:
@@ -97,7 +107,14 @@ class Episode:
         return self.inputs.shape[1]
 
 
-def build_episodes(args, policy: pf.PolicyData, slots, capture) -> List[Episode]:
+def pick_samples(drawn, count: int, heldout: bool) -> list:
+    """The first count samples of a task's draw that training.capture_traces trains on (heldout: that it holds out,
+    every 5th)."""
+    return [sample for position, sample in enumerate(drawn) if (position % 5 == 4) == heldout][:count]
+
+
+def build_episodes(args, policy: pf.PolicyData, slots, capture, heldout: bool = False) -> List[Episode]:
+    """The training episodes, or with ``heldout`` the first --heldout-samples of each task's held-out samples."""
     from kvp_cpp.ruler import SYNTHETIC_TASKS, LlamaTokenizer, generate
     from tqdm import tqdm
 
@@ -105,12 +122,14 @@ def build_episodes(args, policy: pf.PolicyData, slots, capture) -> List[Episode]
     samples = []
     for task in args.tasks or SYNTHETIC_TASKS:
         # seeded as training.capture_traces seeds its RULER documents; every 5th is held out there, and skipped here
-        drawn = generate(task, args.length, args.samples_per_task * 5 // 4 + 1, tokenizer, "chat",
+        count = args.heldout_samples * 5 if heldout else args.samples_per_task * 5 // 4 + 1
+        drawn = generate(task, args.length, count, tokenizer, "chat",
                          seed=args.seed + list(SYNTHETIC_TASKS).index(task))
-        samples += [s for position, s in enumerate(drawn) if position % 5 != 4][:args.samples_per_task]
+        samples += pick_samples(drawn, args.heldout_samples if heldout else args.samples_per_task, heldout)
     episodes = []
     layers = sorted({layer for layer, _ in slots})
-    for sample in tqdm(samples, desc="episodes", file=sys.stderr, disable=args.quiet):
+    for sample in tqdm(samples, desc="held-out episodes" if heldout else "episodes", file=sys.stderr,
+                       disable=args.quiet):
         llm = capture.llm
         prompt = llm.tokenize((sample["input"] + sample["answer_prefix"]).encode(), add_bos=False, special=True)
         answer = llm.tokenize((" " + ", ".join(sample["outputs"])).encode(), add_bos=False, special=False)
@@ -144,8 +163,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-t", "--threads", type=int, default=1)
+    p.add_argument("--heldout-samples", type=int, default=0,
+                   help="held-out samples per task on which to report the greedy kept sets' NLL before and after")
+    p.add_argument("--checkpoint", help="checkpoint file (default: OUT.ckpt)")
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    p.add_argument("--stop-at", type=int, help="checkpoint and stop after this many steps, without exporting")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.checkpoint is None:
+        args.checkpoint = args.out + ".ckpt"
     if args.samples < 2:
         p.error("--samples must be at least 2 (RLOO)")
     from kvp_cpp.ruler import SYNTHETIC_TASKS
@@ -153,8 +180,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [task for task in args.tasks or () if task not in SYNTHETIC_TASKS]
     if unknown:
         p.error(f"--tasks {','.join(unknown)}: not among the synthetic tasks {','.join(SYNTHETIC_TASKS)}")
-    if min(args.steps, args.samples_per_task) < 1 or not args.budgets or min(args.budgets) < 1:
-        p.error("--steps, --samples-per-task and --budgets must be positive")
+    if min(args.samples_per_task, args.checkpoint_every) < 1 or not args.budgets or min(args.budgets) < 1:
+        p.error("--samples-per-task, --checkpoint-every and --budgets must be positive")
+    if args.steps < 0:
+        p.error("--steps must be at least 0 (0: only measure the --init policy's NLL)")
+    if args.heldout_samples < 0 or (args.stop_at is not None and args.stop_at < 1):
+        p.error("--heldout-samples must be at least 0 and --stop-at positive")
     return args
 
 
@@ -187,7 +218,18 @@ def greedy_nll(stack, episodes: Sequence[Episode], budgets: Sequence[int], polic
     return float(np.mean(values))
 
 
-def train(args) -> pf.PolicyData:
+def run_config(args) -> dict:
+    return {key: getattr(args, key) for key in RUN_KEYS}
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    temporary = path + ".tmp"
+    torch.save(state, temporary)
+    os.replace(temporary, path)  # a run killed while saving keeps the previous checkpoint
+
+
+def train(args) -> Optional[pf.PolicyData]:
+    """The fine-tuned policy, or None when --stop-at stopped the run early (its checkpoint continues it)."""
     from kvp_cpp import default_model_path, model_identity
     from kvp_cpp.capture import TensorCapture
     from tqdm import tqdm
@@ -202,17 +244,50 @@ def train(args) -> pf.PolicyData:
                  if identity.get(key) != value}
     if different:
         raise ValueError(f"--init {args.init} was trained for another model (policy's value, the model's): {different}")
+    saved = None
+    if args.resume:
+        if not os.path.exists(args.checkpoint):
+            raise FileNotFoundError(f"--resume: no checkpoint at {args.checkpoint}")
+        saved = torch.load(args.checkpoint, weights_only=True)
+        different = {key: (saved["config"].get(key), value) for key, value in run_config(args).items()
+                     if saved["config"].get(key) != value}
+        if different:
+            raise ValueError(f"the checkpoint is of another run (checkpoint value, this run's): {different}")
     stack, slots = stack_from_policy(policy, generator)
+    optimizer = torch.optim.AdamW(stack.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(args.steps, 1))))
+    step, elapsed_before, measured = 0, 0.0, {}
+    if saved is not None:
+        stack.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["scheduler"])
+        generator.set_state(saved["torch_rng"])
+        rng.bit_generator.state = saved["numpy_rng"]
+        step, elapsed_before, measured = saved["step"], saved["elapsed_s"], dict(saved["measured"])
+
     capture = TensorCapture(model, names=("Kcur", "Vcur"), layers=sorted({layer for layer, _ in slots}),
                             n_ctx=args.length + 256, n_threads=args.threads)
     scorer = AnswerLikelihood(capture.llm, after_decode=capture.recorder.take)
     episodes = build_episodes(args, policy, slots, capture)
-    before = greedy_nll(stack, episodes, args.budgets, policy, scorer)
-    optimizer = torch.optim.AdamW(stack.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + np.cos(np.pi * s / args.steps)))
+    heldout = build_episodes(args, policy, slots, capture, heldout=True) if args.heldout_samples else []
+    if "greedy_nll_before" not in measured:  # the initial policy's, measured once per run
+        measured["greedy_nll_before"] = greedy_nll(stack, episodes, args.budgets, policy, scorer)
+        if heldout:
+            measured["heldout_greedy_nll_before"] = greedy_nll(stack, heldout, args.budgets, policy, scorer)
+
     started = time.time()
-    progress = tqdm(range(args.steps), desc="e2e", file=sys.stderr, disable=args.quiet)
-    for _ in progress:
+
+    def checkpoint() -> None:
+        save_checkpoint(args.checkpoint, {
+            "step": step, "elapsed_s": elapsed_before + time.time() - started, "config": run_config(args),
+            "measured": measured, "model": stack.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": schedule.state_dict(), "torch_rng": generator.get_state(),
+            "numpy_rng": rng.bit_generator.state})
+
+    stop = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
+    progress = tqdm(total=stop, initial=step, desc="e2e", file=sys.stderr, disable=args.quiet)
+    while step < stop:
         episode = episodes[rng.integers(len(episodes))]
         budget = int(rng.choice(budgets_of(episode, args.budgets)))
         n_picks = max(0, budget - policy.n_sink - policy.n_recent)
@@ -229,13 +304,31 @@ def train(args) -> pf.PolicyData:
         rl.clip_grad_norm_per_agent_(list(stack.parameters()), args.clip)
         optimizer.step()
         schedule.step()
+        step += 1
         progress.set_postfix({"nll": f"{-rewards.mean():.3f}", "budget": budget}, refresh=False)
-    wall_time = time.time() - started
-    after = greedy_nll(stack, episodes, args.budgets, policy, scorer)
+        progress.update()
+        if step % args.checkpoint_every == 0 or step == stop:
+            checkpoint()
+    progress.close()
+    wall_time = elapsed_before + time.time() - started
+    if step < args.steps:
+        capture.close()
+        if not args.quiet:
+            print(f"stopped at step {step} of {args.steps}; continue with --resume", file=sys.stderr)
+        return None
+    if args.steps:
+        measured["greedy_nll_after"] = greedy_nll(stack, episodes, args.budgets, policy, scorer)
+        if heldout:
+            measured["heldout_greedy_nll_after"] = greedy_nll(stack, heldout, args.budgets, policy, scorer)
+    else:  # --steps 0 only measures the --init policy
+        measured.update({key.replace("_before", "_after"): value for key, value in list(measured.items())})
     capture.close()
     if not args.quiet:
         print(f"e2e: the policy's own kept sets, mean answer NLL over the {len(episodes)} episodes and their budgets: "
-              f"{before:.4f} before, {after:.4f} after", file=sys.stderr)
+              f"{measured['greedy_nll_before']:.4f} before, {measured['greedy_nll_after']:.4f} after", file=sys.stderr)
+        if heldout:
+            print(f"e2e: on {len(heldout)} held-out samples: {measured['heldout_greedy_nll_before']:.4f} before, "
+                  f"{measured['heldout_greedy_nll_after']:.4f} after", file=sys.stderr)
     result = copy.deepcopy(policy)
     for index, slot in enumerate(slots):
         result.agents[slot] = stack.export(index)
@@ -244,13 +337,16 @@ def train(args) -> pf.PolicyData:
     result.metadata = dict(policy.metadata, generator="training.e2e", e2e={
         "init": args.init, "steps": args.steps, "samples": args.samples, "samples_per_task": args.samples_per_task,
         "budgets": args.budgets, "lr": args.lr, "seed": args.seed, "episodes": len(episodes),
-        "wall_time_s": round(wall_time, 1), "greedy_nll_before": round(before, 5), "greedy_nll_after": round(after, 5)})
+        "heldout_episodes": len(heldout), "wall_time_s": round(wall_time, 1),
+        **{key: round(value, 5) for key, value in measured.items()}})
     return result
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    pf.write_policy(args.out, train(args))
+    result = train(args)
+    if result is not None:
+        pf.write_policy(args.out, result)
     return 0
 
 
