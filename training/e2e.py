@@ -43,6 +43,7 @@ from kvp_cpp import policy_file as pf
 
 from . import rl
 from .likelihood import AnswerLikelihood
+from .train import save_checkpoint
 
 __all__ = ["Episode", "shared_log_score", "picks_log_prob", "kept_mask", "stack_from_policy", "pick_samples",
            "build_episodes", "combined_logits", "greedy_nll", "run_config", "train", "main"]
@@ -220,12 +221,6 @@ def greedy_nll(stack, episodes: Sequence[Episode], budgets: Sequence[int], polic
 
 def run_config(args) -> dict:
     return {key: getattr(args, key) for key in RUN_KEYS}
-
-
-def save_checkpoint(path: str, state: dict) -> None:
-    temporary = path + ".tmp"
-    torch.save(state, temporary)
-    os.replace(temporary, path)  # a run killed while saving keeps the previous checkpoint
 
 
 def train(args) -> Optional[pf.PolicyData]:

@@ -41,7 +41,7 @@ from . import evaluate as ev
 from . import rl
 from .traces import TraceSet, comma_names
 
-__all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "train", "main"]
+__all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "save_checkpoint", "train", "main"]
 
 # Arguments that define a run: a checkpoint only resumes a run with the same values.
 RUN_KEYS = (
@@ -55,6 +55,12 @@ NEWER_RUN_KEYS = {"sources": None, "recency_knots": 0, "init": None, "anchors": 
 
 
 OBJECTIVES = ("rl", "supervised", "listwise", "softrank")
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    temporary = path + ".tmp"
+    torch.save(state, temporary)
+    os.replace(temporary, path)  # a run killed while saving keeps the previous checkpoint
 
 
 def _int_list(text: str) -> list:
@@ -347,9 +353,7 @@ class Trainer:
         self.elapsed_s = state["elapsed_s"]
 
     def save_checkpoint(self, path: str) -> None:
-        temporary = path + ".tmp"
-        torch.save(self.state_dict(), temporary)
-        os.replace(temporary, path)  # a run killed while saving keeps the previous checkpoint
+        save_checkpoint(path, self.state_dict())
 
     def export(self, metadata: dict) -> pf.PolicyData:
         n_head = self.traces.n_head_kv
