@@ -194,6 +194,50 @@ def scenario_planted(args):
             "counts_after_decode": per_head.cell_counts(llm).tolist(), "generated": out}
 
 
+def scenario_answer_likelihood(args):
+    """training.likelihood.AnswerLikelihood on a per-head context: the answer's NLL with nothing removed, with one
+    kept set removed by seq_rm and by per-head eviction of the same set in every head, and with every head keeping
+    its own set (twice, from the same saved prefill); then with nothing removed again."""
+    import pathlib
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from training.likelihood import AnswerLikelihood
+
+    llm = make_llama(n_ctx=512)
+    per_head.enable(llm)
+    scorer = AnswerLikelihood(llm)
+    prompt = tokens_of(llm, PROMPT * 3)
+    answer = llm.tokenize(b" under the stairs", add_bos=False)
+    tail, n = prompt[-1:] + answer[:-1], len(prompt) - 1
+    state = scorer.prefill(prompt[:-1])
+    L, H = per_head.n_layer(llm), per_head.n_head_kv(llm)
+    rng = np.random.default_rng(0)
+    middle = np.arange(4, n - 16)
+    n_drop = len(middle) // 2
+    shared_kept = np.ones(n, bool)
+    shared_kept[rng.choice(middle, n_drop, replace=False)] = False
+    own_kept = np.ones((L, H, n), bool)
+    for l in range(L):
+        for h in range(H):
+            own_kept[l, h, rng.choice(middle, n_drop, replace=False)] = False
+    result = {"n_prompt": n, "n_kept": n - n_drop, "n_tail": len(tail), "n_layer": L, "n_head": H,
+              "full": scorer.nll(state, np.ones(n, bool), tail, answer),
+              "full_per_head": scorer.nll_per_head(state, np.ones((L, H, n), bool), tail, answer),
+              "same_seq_rm": scorer.nll(state, shared_kept, tail, answer),
+              "same_per_head": scorer.nll_per_head(state, np.broadcast_to(shared_kept, (L, H, n)), tail, answer),
+              "own": [scorer.nll_per_head(state, own_kept, tail, answer) for _ in range(2)]}
+    result["counts_after_own"] = per_head.cell_counts(llm).tolist()
+    result["full_per_head_again"] = scorer.nll_per_head(state, np.ones((L, H, n), bool), tail, answer)
+    unequal = own_kept.copy()
+    unequal[0, 0, middle] = True
+    try:
+        scorer.nll_per_head(state, unequal, tail, answer)
+        result["unequal_error"] = None
+    except ValueError as e:
+        result["unequal_error"] = str(e)
+    return result
+
+
 def scenario_budget(args):
     """A stream longer than the cache: before each chunk every head drops its own random tokens to make room."""
     n_ctx, chunk, recent = args["n_ctx"], args["chunk"], 8

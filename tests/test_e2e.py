@@ -52,6 +52,17 @@ def test_held_out_samples_are_the_ones_capture_traces_holds_out():
     assert e2e.pick_samples(range(30), 3, heldout=True) == [4, 9, 14]
 
 
+def test_per_agent_picks_log_prob_is_the_sum_of_each_agents():
+    """Per head, each agent's picks are drawn from its own logits: (K, A) log-probabilities, each the agent's own."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 7, generator=g, dtype=torch.float64)
+    orders = torch.stack([torch.stack([torch.randperm(7, generator=g) for _ in range(3)]) for _ in range(4)])
+    joint = e2e.picks_log_prob(logits, orders, 3)
+    assert joint.shape == (4, 3)
+    for a in range(3):
+        torch.testing.assert_close(joint[:, a], e2e.picks_log_prob(logits[a], orders[:, a], 3))
+
+
 def _tiny_init(tmp_path):
     init = tmp_path / "init.kvp.bin"
     policy = pf.random_policy(**pf.smollm2_identity(), hidden=(4,), seed=3)
@@ -86,8 +97,12 @@ def test_a_stopped_run_resumes_to_the_policy_of_an_unbroken_one(tmp_path):
     e2e.main(run + ["--out", str(whole)])
     e2e.main(run + ["--out", str(parts), "--stop-at", "1"])
     assert not parts.exists() and (tmp_path / "parts.kvp.bin.ckpt").exists()
-    with pytest.raises(ValueError, match="another run"):
-        e2e.main(run + ["--out", str(parts), "--resume", "--lr", "0.01"])
+    for other_run in (["--lr", "0.01"], ["--heldout-samples", "1"]):
+        with pytest.raises(ValueError, match="another run"):
+            e2e.main(run + ["--out", str(parts), "--resume"] + other_run)
+    checkpoint = torch.load(tmp_path / "parts.kvp.bin.ckpt", weights_only=True)
+    del checkpoint["config"]["heldout_samples"]  # as checkpoints written before it was a run key
+    torch.save(checkpoint, tmp_path / "parts.kvp.bin.ckpt")
     e2e.main(run + ["--out", str(parts), "--resume"])
     a, b = pf.read_policy(whole), pf.read_policy(parts)
     for slot in a.agents:

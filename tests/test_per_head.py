@@ -87,6 +87,49 @@ def test_planted_token_survives_in_its_own_head(flash_attn):
     assert {c for row in r["counts_after_decode"] for c in row} == {21 + 8}
 
 
+def test_answer_likelihood_evicts_per_head():
+    """training.likelihood's reward on a per-head context: nothing removed, the same set removed per head and by
+    seq_rm give llama.cpp's same NLL; every head keeping its own set gives another, reproducibly from the saved
+    prefill, with every head holding kept + decoded cells; unequal kept counts are refused."""
+    r = run_probe("answer_likelihood", patched=True)
+    assert r["full"] == r["full_per_head"] == r["full_per_head_again"]
+    assert abs(r["same_per_head"] - r["same_seq_rm"]) < 1e-4
+    assert abs(r["same_seq_rm"] - r["full"]) > 1e-2  # the eviction matters to the answer
+    assert r["own"][0] == r["own"][1] and abs(r["own"][0] - r["same_per_head"]) > 1e-3
+    assert {c for row in r["counts_after_own"] for c in row} == {r["n_kept"] + r["n_tail"]}
+    assert np.shape(r["counts_after_own"]) == (r["n_layer"], r["n_head"])
+    assert "as many tokens" in r["unequal_error"]
+
+
+def test_end_to_end_fine_tuning_per_head(tmp_path):
+    """python -m training.e2e --kv-mode per_head, started on the stock library, restarts itself on the patched one,
+    draws a kept set per head and writes a loadable policy whose weights moved; a policy lacking a head is refused."""
+    pytest.importorskip("torch")
+    from kvp_cpp import _core
+    from kvp_cpp import policy_file as pf
+
+    init, out = tmp_path / "init.kvp.bin", tmp_path / "e2e.kvp.bin"
+    pf.write_policy(init, pf.random_policy(hidden=(4,), seed=3))
+    run = [sys.executable, "-m", "training.e2e", "--init", str(init), "--tasks", "niah_single_1",
+           "--samples-per-task", "1", "--length", "512", "--budgets", "128", "--steps", "2", "--samples", "3",
+           "--quiet", "-t", "2", "--kv-mode", "per_head"]
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run(run + ["--out", str(out)], cwd=root, env=_llama_lib.child_environment(False),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    before, after = pf.read_policy(init), pf.read_policy(out)
+    assert after.metadata["e2e"]["kv_mode"] == "per_head"
+    assert np.isfinite([after.metadata["e2e"][f"greedy_nll_{when}"] for when in ("before", "after")]).all()
+    assert any(not np.array_equal(after.agents[s].weights[0], before.agents[s].weights[0]) for s in before.agents)
+    _core.load_policy(str(out))
+    partial = tmp_path / "partial.kvp.bin"
+    pf.write_policy(partial, pf.random_policy(hidden=(4,), seed=3, layer_scored=[layer != 7 for layer in range(30)]))
+    refused = subprocess.run(run[:run.index("--init") + 1] + [str(partial)] + run[run.index("--init") + 2:] +
+                             ["--out", str(tmp_path / "x.kvp.bin")], cwd=root,
+                             env=_llama_lib.child_environment(True), capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "no agent for 3 (layer, KV head)" in refused.stderr, refused.stderr[-2000:]
+
+
 @pytest.mark.parametrize("flash_attn", [True, False])
 def test_attention_depends_on_each_heads_tokens_not_on_their_cells(flash_attn):
     """Per-head token sets (different for each of the 90 heads) reached in two orders, so that every head's rows

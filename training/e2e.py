@@ -20,6 +20,11 @@ engine evicts); the update is RLOO on the log-probability of the sampled picks, 
 (``--init``), with AdamW, cosine decay and per-agent clipping at 5. Kept sets are drawn token by token; the engine's
 default unit, whole words, is not modelled here.
 
+With --kv-mode per_head every (layer, KV head) draws its own kept set from its own agent's scores (no combining),
+the picks' log-probability is the sum over agents, and the kept sets are evicted head by head with
+``llama_kvp_evict`` on the patched llama.cpp (flash attention on), as ``Llama(kv_mode="per_head")`` evicts: the
+reward of per-head eviction, which the token-level objectives only approximate.
+
 Runs are deterministic for a seed and thread count, checkpoint every --checkpoint-every steps (to OUT.ckpt) and
 continue with --resume. --heldout-samples N also reports the greedy kept sets' NLL on N samples per task that the
 run never trains on (the held-out 5th samples): whether what it learned carries over, before any kvp-bench run.
@@ -43,14 +48,17 @@ from kvp_cpp import policy_file as pf
 
 from . import rl
 from .likelihood import AnswerLikelihood
-from .train import save_checkpoint
+from .train import require_same_run, save_checkpoint
 
 __all__ = ["Episode", "shared_log_score", "picks_log_prob", "kept_mask", "stack_from_policy", "pick_samples",
-           "build_episodes", "combined_logits", "greedy_nll", "run_config", "train", "main"]
+           "build_episodes", "agent_logits", "combined_logits", "ranking_logits", "kept_sets", "KeptSetReward",
+           "per_head_cache_agents", "greedy_nll", "run_config", "train", "main"]
 
 # Arguments that define a run: a checkpoint only resumes a run with the same values.
 RUN_KEYS = ("init", "model", "tasks", "samples_per_task", "length", "budgets", "steps", "samples", "lr",
-            "weight_decay", "clip", "seed")
+            "weight_decay", "clip", "seed", "heldout_samples", "kv_mode")
+# Run keys added after some checkpoints were written, with the value those runs had.
+NEWER_RUN_KEYS = {"heldout_samples": 0, "kv_mode": "shared"}
 
 
 def shared_log_score(scores: torch.Tensor) -> torch.Tensor:
@@ -60,10 +68,10 @@ def shared_log_score(scores: torch.Tensor) -> torch.Tensor:
 
 def picks_log_prob(logits: torch.Tensor, orders: torch.Tensor, n_picks: int) -> torch.Tensor:
     """log-probability (K,) of the first n_picks of each order (K, n) under the Plackett–Luce distribution of logits
-    (n,): Σ_{r < n_picks} [z_σr − log Σ_{t ≥ r} exp z_σt]."""
-    ordered = logits.unsqueeze(0).expand_as(orders).gather(-1, orders)
+    (n,): Σ_{r < n_picks} [z_σr − log Σ_{t ≥ r} exp z_σt]; (K, A) for logits (A, n) and orders (K, A, n)."""
+    ordered = logits.expand_as(orders).gather(-1, orders)
     suffix = torch.logcumsumexp(ordered.flip(-1), dim=-1).flip(-1)
-    return (ordered - suffix)[:, :n_picks].sum(-1)
+    return (ordered - suffix)[..., :n_picks].sum(-1)
 
 
 def kept_mask(n_tokens: int, n_sink: int, n_recent: int, order: np.ndarray, n_picks: int) -> np.ndarray:
@@ -164,6 +172,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-t", "--threads", type=int, default=1)
+    p.add_argument("--kv-mode", choices=("shared", "per_head"), default="shared",
+                   help="shared: one kept set for all heads, drawn from their combined score (stock llama.cpp); "
+                        "per_head: every (layer, KV head) draws its own from its agent's score, evicted with the "
+                        "patched llama.cpp (python -m kvp_cpp.llama_build; the command restarts itself on it)")
     p.add_argument("--heldout-samples", type=int, default=0,
                    help="held-out samples per task on which to report the greedy kept sets' NLL before and after")
     p.add_argument("--checkpoint", help="checkpoint file (default: OUT.ckpt)")
@@ -190,14 +202,59 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def combined_logits(stack, episode: Episode, policy: pf.PolicyData) -> torch.Tensor:
-    """(n_rankable,) log of the heads' summed softmaxes of an episode's rankable tokens, recency terms included."""
+def agent_logits(stack, episode: Episode, policy: pf.PolicyData) -> torch.Tensor:
+    """(A, n_rankable) every agent's scores of an episode's rankable tokens, recency terms included."""
     n = episode.n_tokens
     rankable = slice(policy.n_sink, n - policy.n_recent)
     scores = stack(episode.inputs)[:, rankable]
     if stack.recency is not None:
         scores = scores + stack.recency_term(torch.from_numpy(n - np.arange(n)[rankable]))
-    return shared_log_score(scores)
+    return scores
+
+
+def combined_logits(stack, episode: Episode, policy: pf.PolicyData) -> torch.Tensor:
+    """(n_rankable,) log of the heads' summed softmaxes of an episode's rankable tokens, recency terms included."""
+    return shared_log_score(agent_logits(stack, episode, policy))
+
+
+def ranking_logits(stack, episode: Episode, policy: pf.PolicyData, kv_mode: str) -> torch.Tensor:
+    """(R, n_rankable): the logits of each ranking a kept set is drawn from: one shared by all heads (R = 1), or
+    per head, every agent's own (R = A)."""
+    if kv_mode == "per_head":
+        return agent_logits(stack, episode, policy)
+    return combined_logits(stack, episode, policy).unsqueeze(0)
+
+
+def kept_sets(episode: Episode, policy: pf.PolicyData, orders: np.ndarray, n_picks: int) -> np.ndarray:
+    """(R, n_tokens) kept masks, one per order (R, n_rankable) of ranking_logits' rows."""
+    return np.stack([kept_mask(episode.n_tokens, policy.n_sink, policy.n_recent, order, n_picks) for order in orders])
+
+
+class KeptSetReward:
+    """The answer NLL of kept sets (R, n_tokens): one shared set (``llama_memory_seq_rm``), or one per agent, which
+    ``cache_agents`` [n_layer, n_head_kv] (the agent of each head of the per-head cache) lays out for
+    ``llama_kvp_evict``."""
+
+    def __init__(self, scorer: AnswerLikelihood, cache_agents: Optional[np.ndarray] = None):
+        self.scorer, self.cache_agents = scorer, cache_agents
+
+    def __call__(self, episode: Episode, kept: np.ndarray) -> float:
+        if self.cache_agents is None:
+            return self.scorer.nll(episode.state, kept[0], episode.tail, episode.answer)
+        return self.scorer.nll_per_head(episode.state, kept[self.cache_agents], episode.tail, episode.answer)
+
+
+def per_head_cache_agents(llm, slots: Sequence[tuple]) -> np.ndarray:
+    """[n_layer, n_head_kv] agent index of each (cache layer, KV head) of a per-head context; every head needs one."""
+    from kvp_cpp import per_head
+
+    layers, n_head = per_head.layers(llm), per_head.n_head_kv(llm)
+    index = {slot: a for a, slot in enumerate(slots)}
+    missing = [(layer, h) for layer in layers for h in range(n_head) if (layer, h) not in index]
+    if missing:
+        raise ValueError(f"--kv-mode per_head: the policy has no agent for {len(missing)} (layer, KV head) of the "
+                         f"per-head cache, e.g. {missing[:3]}; every head chooses its own tokens")
+    return np.array([[index[(layer, h)] for h in range(n_head)] for layer in layers])
 
 
 def budgets_of(episode: Episode, budgets: Sequence[int]) -> List[int]:
@@ -205,17 +262,17 @@ def budgets_of(episode: Episode, budgets: Sequence[int]) -> List[int]:
 
 
 def greedy_nll(stack, episodes: Sequence[Episode], budgets: Sequence[int], policy: pf.PolicyData,
-               scorer: AnswerLikelihood) -> float:
+               reward: KeptSetReward, kv_mode: str = "shared") -> float:
     """Mean answer NLL over every (episode, budget) of the kept sets the policy itself would keep (no sampling):
     whether training raised the reward it is trained on."""
     values = []
     with torch.no_grad():
         for episode in episodes:
-            order = torch.argsort(combined_logits(stack, episode, policy), descending=True, stable=True).numpy()
+            orders = torch.argsort(ranking_logits(stack, episode, policy, kv_mode), dim=-1, descending=True,
+                                   stable=True).numpy()
             for budget in budgets_of(episode, budgets):
-                kept = kept_mask(episode.n_tokens, policy.n_sink, policy.n_recent, order,
-                                 max(0, budget - policy.n_sink - policy.n_recent))
-                values.append(scorer.nll(episode.state, kept, episode.tail, episode.answer))
+                values.append(reward(episode, kept_sets(episode, policy, orders,
+                                                        max(0, budget - policy.n_sink - policy.n_recent))))
     return float(np.mean(values))
 
 
@@ -244,10 +301,7 @@ def train(args) -> Optional[pf.PolicyData]:
         if not os.path.exists(args.checkpoint):
             raise FileNotFoundError(f"--resume: no checkpoint at {args.checkpoint}")
         saved = torch.load(args.checkpoint, weights_only=True)
-        different = {key: (saved["config"].get(key), value) for key, value in run_config(args).items()
-                     if saved["config"].get(key) != value}
-        if different:
-            raise ValueError(f"the checkpoint is of another run (checkpoint value, this run's): {different}")
+        require_same_run(saved["config"], run_config(args), NEWER_RUN_KEYS)
     stack, slots = stack_from_policy(policy, generator)
     optimizer = torch.optim.AdamW(stack.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -261,15 +315,23 @@ def train(args) -> Optional[pf.PolicyData]:
         rng.bit_generator.state = saved["numpy_rng"]
         step, elapsed_before, measured = saved["step"], saved["elapsed_s"], dict(saved["measured"])
 
+    per_head_mode = args.kv_mode == "per_head"
     capture = TensorCapture(model, names=("Kcur", "Vcur"), layers=sorted({layer for layer, _ in slots}),
-                            n_ctx=args.length + 256, n_threads=args.threads)
-    scorer = AnswerLikelihood(capture.llm, after_decode=capture.recorder.take)
+                            n_ctx=args.length + 256, n_threads=args.threads, flash_attn=per_head_mode)
+    cache_agents = None
+    if per_head_mode:  # before the prefills, whose saved states every per-head eviction starts from
+        from kvp_cpp import per_head as kvp_per_head
+
+        kvp_per_head.enable(capture.llm)
+        cache_agents = per_head_cache_agents(capture.llm, slots)
+    reward = KeptSetReward(AnswerLikelihood(capture.llm, after_decode=capture.recorder.take), cache_agents)
     episodes = build_episodes(args, policy, slots, capture)
     heldout = build_episodes(args, policy, slots, capture, heldout=True) if args.heldout_samples else []
     if "greedy_nll_before" not in measured:  # the initial policy's, measured once per run
-        measured["greedy_nll_before"] = greedy_nll(stack, episodes, args.budgets, policy, scorer)
+        measured["greedy_nll_before"] = greedy_nll(stack, episodes, args.budgets, policy, reward, args.kv_mode)
         if heldout:
-            measured["heldout_greedy_nll_before"] = greedy_nll(stack, heldout, args.budgets, policy, scorer)
+            measured["heldout_greedy_nll_before"] = greedy_nll(stack, heldout, args.budgets, policy, reward,
+                                                              args.kv_mode)
 
     started = time.time()
 
@@ -286,14 +348,13 @@ def train(args) -> Optional[pf.PolicyData]:
         episode = episodes[rng.integers(len(episodes))]
         budget = int(rng.choice(budgets_of(episode, args.budgets)))
         n_picks = max(0, budget - policy.n_sink - policy.n_recent)
-        logits = combined_logits(stack, episode, policy)
-        orders = rl.gumbel_rankings(logits.unsqueeze(0), args.samples, generator)[:, 0]  # (K, n_rankable)
-        rewards = torch.tensor([-scorer.nll(episode.state, kept_mask(episode.n_tokens, policy.n_sink, policy.n_recent,
-                                                                       order.numpy(), n_picks),
-                                            episode.tail, episode.answer) for order in orders], dtype=torch.float64)
+        logits = ranking_logits(stack, episode, policy, args.kv_mode)  # (R, n_rankable)
+        orders = rl.gumbel_rankings(logits, args.samples, generator)  # (K, R, n_rankable)
+        rewards = torch.tensor([-reward(episode, kept_sets(episode, policy, order.numpy(), n_picks))
+                                for order in orders], dtype=torch.float64)
         advantages = rl.rloo_advantages(rewards.unsqueeze(-1))[:, 0]
         advantages = (advantages - advantages.mean()) / (advantages.std(unbiased=False) + 1e-8)
-        loss = -(advantages.to(logits.dtype) * picks_log_prob(logits, orders, n_picks)).mean()
+        loss = -(advantages.to(logits.dtype) * picks_log_prob(logits, orders, n_picks).sum(-1)).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         rl.clip_grad_norm_per_agent_(list(stack.parameters()), args.clip)
@@ -312,9 +373,10 @@ def train(args) -> Optional[pf.PolicyData]:
             print(f"stopped at step {step} of {args.steps}; continue with --resume", file=sys.stderr)
         return None
     if args.steps:
-        measured["greedy_nll_after"] = greedy_nll(stack, episodes, args.budgets, policy, scorer)
+        measured["greedy_nll_after"] = greedy_nll(stack, episodes, args.budgets, policy, reward, args.kv_mode)
         if heldout:
-            measured["heldout_greedy_nll_after"] = greedy_nll(stack, heldout, args.budgets, policy, scorer)
+            measured["heldout_greedy_nll_after"] = greedy_nll(stack, heldout, args.budgets, policy, reward,
+                                                              args.kv_mode)
     else:  # --steps 0 only measures the --init policy
         measured.update({key.replace("_before", "_after"): value for key, value in list(measured.items())})
     capture.close()
@@ -331,7 +393,7 @@ def train(args) -> Optional[pf.PolicyData]:
             result.recency[slot] = stack.recency[index].detach().numpy().copy()
     result.metadata = dict(policy.metadata, generator="training.e2e", e2e={
         "init": args.init, "steps": args.steps, "samples": args.samples, "samples_per_task": args.samples_per_task,
-        "budgets": args.budgets, "lr": args.lr, "seed": args.seed, "episodes": len(episodes),
+        "budgets": args.budgets, "lr": args.lr, "seed": args.seed, "kv_mode": args.kv_mode, "episodes": len(episodes),
         "heldout_episodes": len(heldout), "wall_time_s": round(wall_time, 1),
         **{key: round(value, 5) for key, value in measured.items()}})
     return result
@@ -339,6 +401,14 @@ def train(args) -> Optional[pf.PolicyData]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.kv_mode == "per_head":
+        from kvp_cpp import _llama_lib
+
+        if argv is None and os.environ.get(_llama_lib.ENV_SELECT) != "per_head":
+            # a process loads one libllama for good: restart on the patched one
+            os.execve(sys.executable, [sys.executable, "-m", "training.e2e"] + sys.argv[1:],
+                      _llama_lib.child_environment(True))
+        _llama_lib.require_per_head()
     result = train(args)
     if result is not None:
         pf.write_policy(args.out, result)

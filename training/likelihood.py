@@ -70,3 +70,30 @@ class AnswerLikelihood:
                 if not llama_cpp.llama_memory_seq_rm(memory, 0, int(start), int(end)):
                     raise RuntimeError(f"llama_memory_seq_rm refused positions {start}..{end - 1}")
         return decode_answer_nll(self.llm, tail, answer, self.after_decode)
+
+    def nll_per_head(self, state, kept: np.ndarray, tail: Sequence[int], answer: Sequence[int]) -> float:
+        """As ``nll``, on a context with per-head eviction enabled (``kvp_cpp.per_head``, the patched llama.cpp):
+        KV head h of cache layer l keeps the prefilled tokens where ``kept[l, h]`` is True, every head as many, and
+        drops the others with ``llama_kvp_evict``. ``state`` must be a save made before any eviction."""
+        import llama_cpp
+        from kvp_cpp import per_head
+
+        kept = np.asarray(kept, bool)
+        n_layer, n_head = per_head.n_layer(self.llm), per_head.n_head_kv(self.llm)
+        if kept.ndim != 3 or kept.shape[:2] != (n_layer, n_head):
+            raise ValueError(f"kept must be [n_layer={n_layer}, n_head_kv={n_head}, tokens], got {kept.shape}")
+        counts = kept.sum(-1)
+        if not (counts == counts.flat[0]).all():
+            raise ValueError(f"every head must keep as many tokens; they keep {counts.min()}..{counts.max()}")
+        # A whole-state load puts the cells back and gives every head each cell's position (see the patch's
+        # llama_kvp_set_head_pos): the prefill's, as long as the save preceded any eviction.
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.llm.ctx), True)
+        self.llm.load_state(state)
+        n_tokens = kept.shape[2]
+        if not (per_head.positions(self.llm, n_tokens) == np.arange(n_tokens)).all():
+            raise RuntimeError("after the state load the heads do not hold the prefilled positions 0 .. n - 1; "
+                               "was the state saved after an eviction?")
+        n_evict = n_tokens - int(counts.flat[0])
+        if n_evict:
+            per_head.evict(self.llm, np.nonzero(~kept)[2].reshape(n_layer, n_head, n_evict).astype(np.int32))
+        return decode_answer_nll(self.llm, tail, answer, self.after_decode)

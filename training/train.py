@@ -41,7 +41,7 @@ from . import evaluate as ev
 from . import rl
 from .traces import TraceSet, comma_names
 
-__all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "save_checkpoint", "train", "main"]
+__all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "require_same_run", "save_checkpoint", "train", "main"]
 
 # Arguments that define a run: a checkpoint only resumes a run with the same values.
 RUN_KEYS = (
@@ -55,6 +55,15 @@ NEWER_RUN_KEYS = {"sources": None, "recency_knots": 0, "init": None, "anchors": 
 
 
 OBJECTIVES = ("rl", "supervised", "listwise", "softrank")
+
+
+def require_same_run(saved_config: dict, config: dict, older_defaults: Optional[dict] = None) -> None:
+    """Refuse to resume a checkpoint whose run keys differ from this run's; a key missing from an older
+    checkpoint counts as its older_defaults value."""
+    saved = {**(older_defaults or {}), **saved_config}
+    different = {key: (saved.get(key), value) for key, value in config.items() if saved.get(key) != value}
+    if different:
+        raise ValueError(f"the checkpoint is of another run (checkpoint value, this run's): {different}")
 
 
 def save_checkpoint(path: str, state: dict) -> None:
@@ -339,11 +348,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        expected = run_config(self.args)
-        saved = {**NEWER_RUN_KEYS, **state["config"]}
-        different = {key: (saved.get(key), value) for key, value in expected.items() if saved.get(key) != value}
-        if different:
-            raise ValueError(f"the checkpoint is of another run (checkpoint value, this run's): {different}")
+        require_same_run(state["config"], run_config(self.args), NEWER_RUN_KEYS)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
