@@ -45,13 +45,6 @@ ORACLES = ("oracle", "oracle-value")
 RANKINGS = ORACLES + ("observed",)
 
 
-def reexec_on_the_patched_library() -> None:
-    from kvp_cpp._llama_lib import ENV_SELECT, child_environment
-
-    if os.environ.get(ENV_SELECT) != "per_head":
-        os.execve(sys.executable, [sys.executable] + sys.argv, child_environment(True))
-
-
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--text", required=True, help="a .jsonl file of {\"text\": ...} documents, as for kvp-bench --text")
@@ -255,7 +248,9 @@ def check_against(records: List[dict], path: str) -> Dict[str, float]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    reexec_on_the_patched_library()
+    from kvp_cpp._llama_lib import restart_on_per_head
+
+    restart_on_per_head(sys.argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # training.importance
 
     import kvp_cpp

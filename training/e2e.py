@@ -238,6 +238,10 @@ class KeptSetReward:
     def __init__(self, scorer: AnswerLikelihood, cache_agents: Optional[np.ndarray] = None):
         self.scorer, self.cache_agents = scorer, cache_agents
 
+    @property
+    def kv_mode(self) -> str:
+        return "shared" if self.cache_agents is None else "per_head"
+
     def __call__(self, episode: Episode, kept: np.ndarray) -> float:
         if self.cache_agents is None:
             return self.scorer.nll(episode.state, kept[0], episode.tail, episode.answer)
@@ -262,13 +266,13 @@ def budgets_of(episode: Episode, budgets: Sequence[int]) -> List[int]:
 
 
 def greedy_nll(stack, episodes: Sequence[Episode], budgets: Sequence[int], policy: pf.PolicyData,
-               reward: KeptSetReward, kv_mode: str = "shared") -> float:
+               reward: KeptSetReward) -> float:
     """Mean answer NLL over every (episode, budget) of the kept sets the policy itself would keep (no sampling):
     whether training raised the reward it is trained on."""
     values = []
     with torch.no_grad():
         for episode in episodes:
-            orders = torch.argsort(ranking_logits(stack, episode, policy, kv_mode), dim=-1, descending=True,
+            orders = torch.argsort(ranking_logits(stack, episode, policy, reward.kv_mode), dim=-1, descending=True,
                                    stable=True).numpy()
             for budget in budgets_of(episode, budgets):
                 values.append(reward(episode, kept_sets(episode, policy, orders,
@@ -328,10 +332,9 @@ def train(args) -> Optional[pf.PolicyData]:
     episodes = build_episodes(args, policy, slots, capture)
     heldout = build_episodes(args, policy, slots, capture, heldout=True) if args.heldout_samples else []
     if "greedy_nll_before" not in measured:  # the initial policy's, measured once per run
-        measured["greedy_nll_before"] = greedy_nll(stack, episodes, args.budgets, policy, reward, args.kv_mode)
+        measured["greedy_nll_before"] = greedy_nll(stack, episodes, args.budgets, policy, reward)
         if heldout:
-            measured["heldout_greedy_nll_before"] = greedy_nll(stack, heldout, args.budgets, policy, reward,
-                                                              args.kv_mode)
+            measured["heldout_greedy_nll_before"] = greedy_nll(stack, heldout, args.budgets, policy, reward)
 
     started = time.time()
 
@@ -348,7 +351,7 @@ def train(args) -> Optional[pf.PolicyData]:
         episode = episodes[rng.integers(len(episodes))]
         budget = int(rng.choice(budgets_of(episode, args.budgets)))
         n_picks = max(0, budget - policy.n_sink - policy.n_recent)
-        logits = ranking_logits(stack, episode, policy, args.kv_mode)  # (R, n_rankable)
+        logits = ranking_logits(stack, episode, policy, reward.kv_mode)  # (R, n_rankable)
         orders = rl.gumbel_rankings(logits, args.samples, generator)  # (K, R, n_rankable)
         rewards = torch.tensor([-reward(episode, kept_sets(episode, policy, order.numpy(), n_picks))
                                 for order in orders], dtype=torch.float64)
@@ -373,10 +376,9 @@ def train(args) -> Optional[pf.PolicyData]:
             print(f"stopped at step {step} of {args.steps}; continue with --resume", file=sys.stderr)
         return None
     if args.steps:
-        measured["greedy_nll_after"] = greedy_nll(stack, episodes, args.budgets, policy, reward, args.kv_mode)
+        measured["greedy_nll_after"] = greedy_nll(stack, episodes, args.budgets, policy, reward)
         if heldout:
-            measured["heldout_greedy_nll_after"] = greedy_nll(stack, heldout, args.budgets, policy, reward,
-                                                              args.kv_mode)
+            measured["heldout_greedy_nll_after"] = greedy_nll(stack, heldout, args.budgets, policy, reward)
     else:  # --steps 0 only measures the --init policy
         measured.update({key.replace("_before", "_after"): value for key, value in list(measured.items())})
     capture.close()
@@ -404,10 +406,8 @@ def main(argv=None) -> int:
     if args.kv_mode == "per_head":
         from kvp_cpp import _llama_lib
 
-        if argv is None and os.environ.get(_llama_lib.ENV_SELECT) != "per_head":
-            # a process loads one libllama for good: restart on the patched one
-            os.execve(sys.executable, [sys.executable, "-m", "training.e2e"] + sys.argv[1:],
-                      _llama_lib.child_environment(True))
+        if argv is None:
+            _llama_lib.restart_on_per_head(["-m", "training.e2e", *sys.argv[1:]])
         _llama_lib.require_per_head()
     result = train(args)
     if result is not None:

@@ -41,7 +41,8 @@ from . import evaluate as ev
 from . import rl
 from .traces import TraceSet, comma_names
 
-__all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "require_same_run", "save_checkpoint", "train", "main"]
+__all__ = ["parse_args", "input_statistics", "Trainer", "TrainResult", "require_same_run", "save_checkpoint", "train",
+           "main"]
 
 # Arguments that define a run: a checkpoint only resumes a run with the same values.
 RUN_KEYS = (

@@ -15,7 +15,7 @@ import os
 import pathlib
 import sys
 import warnings
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
@@ -120,6 +120,13 @@ def child_environment(per_head: bool, base: Optional[Mapping[str, str]] = None) 
     if per_head:
         env[ENV_SELECT] = "per_head"
     return env
+
+
+def restart_on_per_head(command: Sequence[str]) -> None:
+    """Replaces this process with ``python *command`` on the patched llama.cpp, unless this process selected it
+    already (a process loads one libllama for good, so a command that needs it restarts itself)."""
+    if os.environ.get(ENV_SELECT) != "per_head":
+        os.execve(sys.executable, [sys.executable, *command], child_environment(True))
 
 
 def loaded_library_is_patched(symbol: str = "llama_kvp_enable") -> bool:
